@@ -1,0 +1,43 @@
+"""Checks on the composed config that stop a run at start with one clear message."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+def validate_config(cfg) -> None:
+    from grpo.envs import TASK_ENVS
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise ConfigError(message)
+
+    need(cfg.env.task in TASK_ENVS, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASK_ENVS)}.")
+    need(cfg.env.repeats >= 2, f"env.repeats={cfg.env.repeats}: GRPO compares replies within a group, so it needs "
+         "at least 2 replies per prompt; set env.repeats=4 (or more).")
+    need(cfg.env.num_envs % cfg.env.repeats == 0, f"env.num_envs={cfg.env.num_envs} must be a multiple of "
+         f"env.repeats={cfg.env.repeats} (whole groups are generated together); e.g. env.num_envs={4 * cfg.env.repeats}.")
+    t = cfg.train
+    need(t.dialog_turns_per_batch % cfg.env.num_envs == 0, f"train.dialog_turns_per_batch={t.dialog_turns_per_batch} "
+         f"must be a multiple of env.num_envs={cfg.env.num_envs}.")
+    need(t.dialog_turns_per_batch % t.optim_batch_size == 0, f"train.optim_batch_size={t.optim_batch_size} must divide "
+         f"train.dialog_turns_per_batch={t.dialog_turns_per_batch}.")
+    need(t.optim_batch_size % t.gradient_accumulation_steps == 0, f"train.gradient_accumulation_steps="
+         f"{t.gradient_accumulation_steps} must divide train.optim_batch_size={t.optim_batch_size}.")
+    need(t.total_steps >= 1, f"train.total_steps={t.total_steps} must be >= 1.")
+    need(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1.")
+    need(0 <= t.clip_epsilon_low < 1 and t.clip_epsilon_high >= 0, "train.clip_epsilon_low must be in [0, 1) and "
+         "train.clip_epsilon_high >= 0 (e.g. 0.2 and 0.28).")
+    need(t.aggregation in ("token_mean", "prompt_mean"), f"train.aggregation={t.aggregation!r}; use token_mean or prompt_mean.")
+    need(cfg.inference_model.backend in ("transformers", "vllm"), f"inference_model.backend="
+         f"{cfg.inference_model.backend!r}; use transformers or vllm.")
+    need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")
+    need(t.num_collectors >= 1, f"train.num_collectors={t.num_collectors} must be >= 1.")
+    need(t.buffer_size >= 1, f"train.buffer_size={t.buffer_size} must be >= 1 (batches the async FIFO holds).")
+    need(t.weight_update_frequency >= 1, f"train.weight_update_frequency={t.weight_update_frequency} must be >= 1.")
+    need(t.max_policy_lag >= t.weight_update_frequency - 1, f"train.max_policy_lag={t.max_policy_lag} is below "
+         f"train.weight_update_frequency - 1 = {t.weight_update_frequency - 1}: every async batch would be too stale; "
+         f"raise train.max_policy_lag to at least {t.weight_update_frequency - 1}.")
+    need(cfg.eval.frequency >= 0, f"eval.frequency={cfg.eval.frequency} must be >= 0 (0 = only before and after).")

@@ -1,0 +1,91 @@
+"""Loading task data sets from a hub name or a local path.
+
+TorchRL's dataset envs call ``datasets.load_dataset(name, config)``, which only
+understands hub names (a local jsonl fails with ``BuilderConfig 'main' not found``).
+``load_split`` accepts both, so runs work offline on the files the project ships.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+
+LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DataError(ValueError):
+    """A data set that cannot be used: missing, unreadable, or lacking fields."""
+
+
+def looks_local(name_or_path: str) -> bool:
+    """Paths (absolute, relative with a separator, or existing) are local; `org/name` is a hub id."""
+    p = Path(name_or_path).expanduser()
+    return p.exists() or name_or_path.startswith((".", "/", "~")) or p.suffix in LOCAL_SUFFIXES
+
+
+def _split_file(folder: Path, split: str) -> Path | None:
+    for suffix in LOCAL_SUFFIXES:
+        candidate = folder / f"{split}{suffix}"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def load_split(
+    name_or_path: str,
+    split: str,
+    *,
+    hub_config: str | None = None,
+    required_fields: tuple[str, ...] = (),
+    key: str = "env.dataset",
+) -> datasets.Dataset:
+    """One split of a data set, from the hub or from disk.
+
+    Local forms: a file (``.jsonl``/``.json``/``.parquet``/``.csv``) used for every split,
+    a folder holding ``{split}.jsonl`` (or .parquet/.csv), or a ``save_to_disk`` folder
+    (a ``DatasetDict`` with that split, or a single ``Dataset``).
+    """
+    if looks_local(name_or_path):
+        path = Path(name_or_path).expanduser()
+        if not path.exists():
+            raise DataError(
+                f"{key}={name_or_path!r}: no such file or folder. Give an existing local path "
+                f"(jsonl/parquet/csv file, a folder with {split}.jsonl, or a datasets.save_to_disk "
+                "folder) or a hub name such as openai/gsm8k."
+            )
+        if path.is_file():
+            ds = datasets.load_dataset(LOCAL_SUFFIXES.get(path.suffix, "json"), data_files=str(path), split="train")
+        elif (split_file := _split_file(path, split)) is not None:
+            ds = datasets.load_dataset(LOCAL_SUFFIXES[split_file.suffix], data_files=str(split_file), split="train")
+        elif (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataError(
+                        f"{key}={name_or_path!r} has splits {sorted(loaded)}, not {split!r}; "
+                        "set env.train_split / env.test_split to one of them."
+                    )
+                loaded = loaded[split]
+            ds = loaded
+        else:
+            raise DataError(
+                f"{key}={name_or_path!r} is a folder without {split}.jsonl/.parquet/.csv and is not a "
+                "datasets.save_to_disk folder; put the split files there or point at a file."
+            )
+    else:
+        try:
+            ds = datasets.load_dataset(name_or_path, hub_config, split=split)
+        except Exception as err:  # the hub raises many types; the fix is the same
+            raise DataError(
+                f"{key}={name_or_path!r}: could not load split {split!r} from the Hugging Face hub "
+                f"({type(err).__name__}: {str(err)[:200]}). Offline? Download it once and pass a local path."
+            ) from err
+    missing = [f for f in required_fields if f not in ds.column_names]
+    if missing:
+        raise DataError(
+            f"{key}={name_or_path!r} split {split!r} lacks field(s) {missing}; it has {ds.column_names}."
+        )
+    if len(ds) == 0:
+        raise DataError(f"{key}={name_or_path!r} split {split!r} is empty.")
+    return ds

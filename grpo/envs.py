@@ -1,0 +1,144 @@
+"""TorchRL LLM environments for the tasks, reading hub or local data.
+
+Each env is a ``DatasetChatEnv``: a reset draws prompts from the data set, repeats each
+``env.repeats`` times (one GRPO group), and a step scores the assistant's reply.
+``num_envs`` prompts-times-repeats are generated together in one batch.
+"""
+
+from __future__ import annotations
+
+from torch.utils.data import DataLoader
+import torch
+from torchrl.envs import Compose, StepCounter
+from torchrl.envs.llm.transforms import DataLoadingPrimer
+from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv
+from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
+
+from grpo.data import DataError, load_split
+from grpo.rewards import GSM8KReward
+
+
+class PositionedLoader:
+    """A seeded DataLoader that counts the batches it yields across epochs.
+
+    The count is the data position a checkpoint stores: a resumed run rebuilds the loader
+    with the same seed and skips that many batches, so it sees the same prompts in the same
+    order as a run that was never stopped.
+    """
+
+    def __init__(self, ds, *, seed, batch_size_dl, shuffle, collate_fn):
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        self.loader = DataLoader(ds, batch_size=batch_size_dl, shuffle=shuffle, collate_fn=collate_fn,
+                                 generator=generator)
+        self.position = 0
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.position += 1
+            yield batch
+
+    def __len__(self):
+        return len(self.loader)
+
+
+def data_primer(env) -> DataLoadingPrimer:
+    """The env's DataLoadingPrimer (the transform that draws prompts)."""
+    transforms = env.transform if isinstance(env.transform, Compose) else [env.transform]
+    return next(t for t in transforms if isinstance(t, DataLoadingPrimer))
+
+
+def data_position(env) -> int:
+    return data_primer(env).dataloader.position
+
+
+def skip_to_position(env, position: int) -> None:
+    """Advance a freshly built env's prompt stream to ``position`` batches drawn.
+
+    A new env has already drawn (and queued, ``repeats`` times) its first prompt while
+    building its specs; a checkpoint is taken with that queue empty (whole groups per
+    reset), so the queue is emptied before skipping.
+    """
+    primer = data_primer(env)
+    primer._queue.clear()
+    while primer.dataloader.position < position:
+        next(primer.endless_dataloader)
+
+
+class GSM8KTaskEnv(DatasetChatEnv):
+    """GSM8K as a chat env: TorchRL's system prompt and question handling, our data loader and reward."""
+
+    SYSTEM_PROMPT = GSM8KEnv.SYSTEM_PROMPT
+    hub_config = "main"
+
+    def __init__(self, *, dataset: str, split: str, tokenizer, repeats: int, num_envs: int, seed: int,
+                 shuffle: bool = True, correct_reward: float = 1.0, format_reward: float = 0.1):
+        super().__init__(
+            dataset=dataset, split=split, name=self.hub_config, shuffle=shuffle, num_envs=num_envs,
+            repeats=repeats, seed=seed, group_repeats=False, tokenizer=tokenizer, collate_fn=gsm8k_collate,
+            input_mode="history",
+        )
+        self.append_transform(StepCounter(max_steps=1))
+        self.append_transform(GSM8KReward(tokenizer, correct_reward=correct_reward, format_reward=format_reward))
+
+    @staticmethod
+    def _dataloader_factory(dataset, name, split, seed, batch_size_dl, shuffle, collate_fn):
+        ds = load_gsm8k(dataset, split, hub_config=name)
+        ds = ds.add_column("row_index", list(range(len(ds))))  # logged per step: which prompts were trained on
+        return PositionedLoader(ds, seed=seed, batch_size_dl=batch_size_dl, shuffle=shuffle, collate_fn=collate_fn)
+
+
+def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
+    """A GSM8K split, checked: every row needs a question and an answer ending in ``#### N``."""
+    ds = load_split(dataset, split, hub_config=hub_config, required_fields=("question", "answer"))
+    for i, answer in enumerate(ds["answer"]):
+        if answer.count("#### ") != 1:
+            raise DataError(
+                f"env.dataset={dataset!r} split {split!r} row {i}: the answer must end with exactly one "
+                f"'#### N' line (GSM8K format); got {answer[-60:]!r}."
+            )
+    return ds
+
+
+class IFEvalTask:
+    """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.ifeval)."""
+
+    @staticmethod
+    def load_split(dataset: str, split: str):
+        from grpo.ifeval import load_ifeval_rows
+
+        return load_ifeval_rows(dataset, split)  # validates every row's instruction ids and kwargs
+
+    @staticmethod
+    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
+        from grpo.ifeval import make_ifeval_env
+
+        return make_ifeval_env(cfg.env.dataset, split, tokenizer=tokenizer, weights=dict(cfg.reward.ifeval_weights),
+                               num_envs=num_envs, repeats=repeats, seed=cfg.seed, shuffle=shuffle)
+
+
+class GSM8KTask:
+    load_split = staticmethod(load_gsm8k)
+
+    @staticmethod
+    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
+        return GSM8KTaskEnv(dataset=cfg.env.dataset, split=split, tokenizer=tokenizer, repeats=repeats,
+                            num_envs=num_envs, seed=cfg.seed, shuffle=shuffle,
+                            correct_reward=cfg.reward.correct, format_reward=cfg.reward.format)
+
+
+TASK_ENVS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask}
+
+# Per task, the env outputs averaged into eval rows (eval/<name>); the first is eval/accuracy's source.
+EVAL_FIELDS = {
+    "gsm8k": {"accuracy": "success", "answer_rate": "reward_answer"},
+    "ifeval": {"accuracy": "success", "prompt_strict_acc": "prompt_level_strict_acc",
+               "inst_strict_acc": "inst_level_strict_acc", "prompt_loose_acc": "prompt_level_loose_acc",
+               "inst_loose_acc": "inst_level_loose_acc", "format_rate": "format_ok"},
+}
+
+
+def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle: bool = True):
+    """The task env named by ``env.task`` over one split of ``env.dataset``."""
+    return TASK_ENVS[cfg.env.task].build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs,
+                                         shuffle=shuffle)

@@ -1,0 +1,67 @@
+"""The inference side: the sampling policy for rollouts, the greedy one for eval, and weight sync."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from grpo.models import generate_kwargs, make_transformers_policy, torch_dtype
+
+
+class TransformersInference:
+    """Generation with transformers' ``generate``.
+
+    When generation runs on the training device in the same dtype, it uses the training
+    model object itself, so updated weights are seen at once and a push costs nothing.
+    Otherwise it holds its own copy on its device and a push copies the weights over.
+    """
+
+    def __init__(self, cfg, policy_model, tokenizer, device: torch.device):
+        train_device = next(policy_model.parameters()).device
+        dtype = torch_dtype(cfg.inference_model.dtype, device)
+        self.shares_training_model = device == train_device and dtype == next(policy_model.parameters()).dtype
+        if self.shares_training_model:
+            self.model = policy_model
+        else:
+            self.model = copy.deepcopy(_merged(policy_model)).to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.policy = make_transformers_policy(
+            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens))
+        self.greedy_policy = make_transformers_policy(
+            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, greedy=True, max_new_tokens=cfg.eval.max_new_tokens))
+        self.version = 0
+
+    @torch.no_grad()
+    def push_weights(self, source, version: int | None = None) -> float:
+        """Make generation use new weights (a model, or a plain HF state dict); returns the seconds it took."""
+        start = time.perf_counter()
+        if not self.shares_training_model:
+            weights = source if isinstance(source, dict) else inference_state_dict(source)
+            for name, tensor in self.model.state_dict().items():
+                tensor.copy_(weights[name])
+        self.version = self.version + 1 if version is None else version
+        return time.perf_counter() - start
+
+    def shutdown(self) -> None:
+        pass
+
+
+def inference_state_dict(policy_model) -> dict:
+    """The weights an inference engine needs: HF parameter names, LoRA adapters merged in."""
+    return _merged(policy_model).state_dict()
+
+
+def _merged(policy_model):
+    """A plain HF model with LoRA adapters folded in (a copy), or the model itself without LoRA."""
+    if hasattr(policy_model, "merge_and_unload"):
+        return copy.deepcopy(policy_model).merge_and_unload()
+    return policy_model
+
+
+def make_inference(cfg, policy_model, tokenizer, device: torch.device):
+    if cfg.inference_model.backend == "transformers":
+        return TransformersInference(cfg, policy_model, tokenizer, device)
+    from grpo.vllm_backend import VLLMInference
+
+    return VLLMInference(cfg, policy_model, tokenizer, device)

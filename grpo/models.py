@@ -1,0 +1,128 @@
+"""Building the tokenizer, the policy (train), reference and inference models, and their TorchRL wrappers."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torchrl.modules.llm import TransformersWrapper
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from grpo.data import looks_local
+
+
+class ModelLoadError(RuntimeError):
+    """The model or tokenizer named in the config cannot be loaded."""
+
+
+def _check_model_name(name: str) -> None:
+    if looks_local(name) and not Path(name).expanduser().exists():
+        raise ModelLoadError(
+            f"model.name={name!r}: no such folder. Give a local folder holding config.json and the "
+            "weights, or a hub name such as Qwen/Qwen2.5-0.5B-Instruct (needs network or a warm HF cache)."
+        )
+
+
+def load_tokenizer(name: str):
+    _check_model_name(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except OSError as err:
+        raise ModelLoadError(f"model.name={name!r}: cannot load its tokenizer ({err}). Offline? Pass a local path.") from err
+    if tokenizer.pad_token is None or tokenizer.pad_token == tokenizer.eos_token:
+        # A pad equal to eos would make the attention mask drop real eos tokens of finished answers.
+        tokenizer.add_special_tokens({"pad_token": "<|endoftext|>"}) if "<|endoftext|>" in tokenizer.get_vocab() \
+            else tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def torch_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Half precision is for GPUs; on CPU every model runs in float32."""
+    return torch.float32 if device.type == "cpu" else getattr(torch, name)
+
+
+def load_causal_lm(name: str, *, dtype: torch.dtype, device: torch.device):
+    _check_model_name(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    except OSError as err:
+        raise ModelLoadError(f"model.name={name!r}: cannot load the model ({err}). Offline? Pass a local path.") from err
+    return model.to(device)
+
+
+def load_policy_model(cfg, tokenizer, device: torch.device):
+    """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing."""
+    model = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.train_model.dtype, device), device=device)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    if cfg.train_model.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        lora = cfg.train_model.lora
+        model = get_peft_model(model, LoraConfig(
+            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+        ))
+    if cfg.train_model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        model.train()  # HF only checkpoints in train mode; Qwen2 has no dropout, so outputs are unchanged
+    else:
+        model.eval()  # no dropout: the ratio pi_theta / pi_old must be 1 before any update
+    return model
+
+
+def load_reference_model(cfg, policy_model, device: torch.device):
+    """A frozen copy of the starting policy (LoRA runs reuse the base weights with adapters disabled)."""
+    dtype = torch_dtype(cfg.ref_model.dtype, device)
+    base = policy_model.get_base_model() if cfg.train_model.lora.enabled else policy_model
+    ref = copy.deepcopy(base).to(device=device, dtype=dtype)
+    ref.eval().requires_grad_(False)
+    return ref
+
+
+class GeneratingWrapper(TransformersWrapper):
+    """TorchRL's transformers wrapper with the first generated token's log-prob kept.
+
+    TorchRL 0.14.1 sets ``log_probs[:, 0] = 0`` in ``_log_probs_generate``: the first
+    response token then has behaviour log-prob 0 (probability 1), so its importance ratio
+    is pi_theta(token) instead of ~1 and it is always clipped. We compute every position.
+    """
+
+    @classmethod
+    def _log_probs_generate(cls, tokens, logits, pad_val=-100, pad=True):
+        if pad:
+            tokens = pad_sequence(tokens, padding_value=pad_val, batch_first=True, padding_side="left")
+            logits = pad_sequence(logits, padding_value=0.0, batch_first=True, padding_side="left")
+        valid = tokens != pad_val
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        log_probs = log_probs.gather(-1, tokens.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        return torch.where(valid, log_probs, 0.0), logits
+
+
+def generate_kwargs(cfg, *, greedy: bool, max_new_tokens: int) -> dict:
+    if greedy:
+        return {"max_new_tokens": max_new_tokens, "do_sample": False}
+    return {
+        "max_new_tokens": max_new_tokens, "do_sample": True,
+        "temperature": cfg.inference_model.temperature, "top_p": cfg.inference_model.top_p,
+    }
+
+
+def make_transformers_policy(model, tokenizer, *, gen_kwargs: dict):
+    """Generation in history mode: chat prompts in, sampled replies plus their log-probs out."""
+    return GeneratingWrapper(
+        model, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
+        pad_output=False, generate_kwargs=gen_kwargs,
+    )
+
+
+def make_scoring_wrapper(model, tokenizer, *, log_probs_key: str = "log_probs"):
+    """Log-probs of given token sequences (training policy and reference): tokens mode, no re-templating."""
+    return TransformersWrapper(
+        model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True,
+        pad_output=False, log_probs_key=log_probs_key,
+    )

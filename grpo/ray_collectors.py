@@ -1,0 +1,191 @@
+"""Rollout workers for async GRPO: Ray actors that keep generating while the trainer optimises.
+
+Each worker wraps TorchRL's ``LLMCollector`` over its own copy of the policy and puts whole
+batches (``env.num_envs`` replies = complete GRPO groups), stamped with the weights version
+that generated them, into a bounded FIFO (``train.buffer_size`` batches). A full FIFO makes
+workers wait (back-pressure). TorchRL's ``RayReplayBuffer`` samples without tracking the
+order or age of items, so staleness could not be bounded; a FIFO of stamped batches lets the
+trainer drop those older than ``train.max_policy_lag`` optimiser steps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+import torch
+from omegaconf import OmegaConf
+from ray.util.queue import Empty, Queue
+
+from grpo.setup import REPO_ROOT
+
+
+@ray.remote(max_concurrency=2)  # one thread generates, the other receives weights and stop requests
+class RolloutWorker:
+    def __init__(self, cfg_dict: dict, worker_id: int, device: str):
+        from tensordict import set_list_to_stack
+        from torchrl.collectors.llm import LLMCollector
+
+        from grpo.envs import make_env
+        from grpo.inference import make_inference
+        from grpo.models import load_causal_lm, load_tokenizer, torch_dtype
+        from grpo.setup import seed_everything
+
+        set_list_to_stack(True).set()
+        cfg = OmegaConf.create(cfg_dict)
+        seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
+        self.worker_id = worker_id
+        torch_device = torch.device(device)
+        tokenizer = load_tokenizer(cfg.model.name)
+        model = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.inference_model.dtype, torch_device),
+                               device=torch_device).eval().requires_grad_(False)
+        self.inference = make_inference(cfg, model, tokenizer, torch_device)
+        env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
+        self.collector = LLMCollector(env, policy=self.inference.policy, dialog_turns_per_batch=cfg.env.num_envs,
+                                      total_dialog_turns=-1)
+        self._lock = threading.Lock()
+        self._pending = None
+        self._stop = False
+        self.stats = {"batches": 0, "replies": 0, "tokens": 0, "generation_s": 0.0, "put_wait_s": 0.0,
+                      "weight_apply_s": 0.0, "version": 0}
+
+    def set_weights(self, weights: dict, version: int) -> None:
+        with self._lock:
+            self._pending = (weights, version)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def get_stats(self) -> dict:
+        return dict(self.stats)
+
+    def run(self, queue: Queue) -> int:
+        batches = iter(self.collector)
+        while not self._stop:
+            self._apply_pending_weights()
+            t0 = time.perf_counter()
+            batch = next(batches).reshape(-1)
+            gen_s = time.perf_counter() - t0
+            tokens = sum(s["tokens", "response"].shape[-1] for s in batch.unbind(0))
+            version = self.inference.version
+            t1 = time.perf_counter()
+            while not self._stop:
+                try:
+                    queue.put((batch, version, self.worker_id, gen_s), timeout=1.0)
+                    break
+                except Exception:  # ray's queue raises Full on timeout; retry so stop() is honoured
+                    continue
+            self.stats["put_wait_s"] += time.perf_counter() - t1
+            self.stats["generation_s"] += gen_s
+            self.stats["batches"] += 1
+            self.stats["replies"] += batch.numel()
+            self.stats["tokens"] += tokens
+        return self.stats["batches"]
+
+    def _apply_pending_weights(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            weights, version = pending
+            self.stats["weight_apply_s"] += self.inference.push_weights(weights, version=version)
+            self.stats["version"] = version
+
+
+class CollectorError(RuntimeError):
+    """A rollout worker died or raised; the message carries its error."""
+
+
+class RolloutPool:
+    """Starts the workers, hands the trainer fresh batches, pushes weights, and watches worker health."""
+
+    def __init__(self, cfg, devices: list[str]):
+        self.cfg = cfg
+        self.queue = Queue(maxsize=cfg.train.buffer_size)
+        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+        runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT),
+                                    # workers address GPUs by the allocation's logical ids
+                                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        self.workers = [
+            RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(cfg_dict, i, devices[i % len(devices)])
+            for i in range(cfg.train.num_collectors)
+        ]
+        self.runs = {w.run.remote(self.queue): i for i, w in enumerate(self.workers)}
+        self.dropped_batches = 0
+        self.dropped_replies = 0
+        self.trainer_wait_s = 0.0
+        self.lags: list[int] = []
+
+    def check_workers(self) -> None:
+        """Raise at once if a worker's run loop ended with an error (crash, OOM, killed actor)."""
+        done, _ = ray.wait(list(self.runs), timeout=0, num_returns=len(self.runs))
+        for ref in done:
+            try:
+                ray.get(ref)
+                raise CollectorError(f"rollout worker {self.runs[ref]} stopped unexpectedly")
+            except ray.exceptions.RayError as err:
+                raise CollectorError(f"rollout worker {self.runs[ref]} failed: {err}") from err
+
+    def _get_all(self, method: str, *args) -> list:
+        """Call ``method`` on every worker; a dead worker becomes a CollectorError naming it."""
+        refs = [getattr(w, method).remote(*args) for w in self.workers]
+        results = []
+        for i, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref, timeout=120))
+            except ray.exceptions.RayError as err:
+                raise CollectorError(f"rollout worker {i} failed: {err}") from err
+        return results
+
+    def next_batch(self, trainer_version: int):
+        """The next batch generated at most ``train.max_policy_lag`` optimiser steps ago."""
+        t0 = time.perf_counter()
+        while True:
+            self.check_workers()
+            try:
+                batch, version, _worker, _gen_s = self.queue.get(timeout=1.0)
+            except Empty:
+                continue
+            lag = trainer_version - version
+            if lag > self.cfg.train.max_policy_lag:
+                self.dropped_batches += 1
+                self.dropped_replies += batch.numel()
+                continue
+            self.trainer_wait_s += time.perf_counter() - t0
+            self.lags.append(lag)
+            batch.set("policy_version", torch.full((batch.numel(),), version, dtype=torch.long))
+            return batch, lag
+
+    def push_weights(self, weights: dict, version: int) -> float:
+        t0 = time.perf_counter()
+        ref = ray.put({k: v.detach().cpu() for k, v in weights.items()})
+        self._get_all("set_weights", ref, version)
+        return time.perf_counter() - t0
+
+    def stats(self) -> dict:
+        """Cumulative pool statistics (the trainer logs deltas and rates from them)."""
+        per_worker = self._get_all("get_stats")
+        return {
+            "collector_replies": sum(s["replies"] for s in per_worker),
+            "collector_tokens": sum(s["tokens"] for s in per_worker),
+            "collector_generation_s": sum(s["generation_s"] for s in per_worker),
+            "collector_put_wait_s": sum(s["put_wait_s"] for s in per_worker),
+            "collector_weight_apply_s": sum(s["weight_apply_s"] for s in per_worker),
+            "collector_versions": [s["version"] for s in per_worker],
+            "buffer_fill": self.queue.qsize(),
+            "dropped_stale_batches": self.dropped_batches,
+            "dropped_stale_replies": self.dropped_replies,
+            "trainer_wait_s": self.trainer_wait_s,
+        }
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            try:
+                w.stop.remote()
+            except Exception:
+                pass
+        try:
+            ray.wait(list(self.runs), timeout=10, num_returns=len(self.runs))
+        finally:
+            for w in self.workers:
+                ray.kill(w)

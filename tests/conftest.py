@@ -1,0 +1,30 @@
+import os
+from pathlib import Path
+
+import pytest
+from tensordict import set_list_to_stack
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = Path(os.environ.get("GRPO_TEST_MODEL", REPO / "assets" / "tiny-model"))
+TINY_DATA = Path(os.environ.get("GRPO_TEST_DATA", REPO / "data" / "gsm8k_tiny"))
+
+set_list_to_stack(True).set()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir() -> Path:
+    return TINY_DATA
+
+
+def compose(config_name: str = "grpo_tiny", overrides: list[str] | None = None):
+    """The config as the scripts see it (Hydra compose, no run dir)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        return hydra_compose(config_name=config_name, overrides=overrides or [])

