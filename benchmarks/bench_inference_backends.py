@@ -108,8 +108,10 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
 
     model_path = args.model
+    tmp = None
     if model_path == "tiny":
-        model_path = build_tiny_qwen2(tempfile.mkdtemp(prefix="tiny-qwen2-"))
+        tmp = tempfile.TemporaryDirectory(prefix="tiny-qwen2-")
+        model_path = build_tiny_qwen2(tmp.name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # `import torchrl.modules.llm` imports vllm when installed: time that import on its own
     configure_vllm_env(device=device, offline=os.path.isdir(model_path))
@@ -194,6 +196,8 @@ def main(argv=None) -> dict:
     print(json.dumps(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
+    if tmp is not None:
+        tmp.cleanup()
     return res
 
 

@@ -398,8 +398,6 @@ def trl_worker(spec: dict) -> None:
     trainer._generate = timed(trainer._generate, "generate_s", on_generated)
     trainer._calculate_rewards = timed(trainer._calculate_rewards, "reward_s", on_rewards)
     trainer._generate_and_score_completions = timed(trainer._generate_and_score_completions, "gen_and_score_s")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     trainer.train()
     train_wall = time.perf_counter() - t0
@@ -554,7 +552,8 @@ def run_ours(spec: dict) -> dict:
                        work / "ours_reeval.log", child_env(spec, work / "reeval_peak.txt"), "ours re-eval")
     re = json.loads((work / "ours" / "reeval.json").read_text())
     summary["accuracy_final_reevaluated"] = re["eval/accuracy"]
-    summary["accuracy_reeval_matches_log"] = abs(re["eval/accuracy"] - (summary["accuracy_final"] or -1)) < 1e-9
+    logged = summary["accuracy_final"]
+    summary["accuracy_reeval_matches_log"] = logged is not None and abs(re["eval/accuracy"] - logged) < 1e-9
     summary["reeval_process_wall_s"] = reeval["process_wall_s"]
     return {"command": shlex.join(cmd), **proc, "peak_cuda_mb": _read_peak(peak_file), **summary,
             "per_step": steps, "evals": evals}

@@ -72,11 +72,12 @@ class GSM8KTaskEnv(DatasetChatEnv):
     hub_config = "main"
 
     def __init__(self, *, dataset: str, split: str, tokenizer, repeats: int, num_envs: int, seed: int,
-                 shuffle: bool = True, correct_reward: float = 1.0, format_reward: float = 0.1):
+                 shuffle: bool = True, correct_reward: float = 1.0, format_reward: float = 0.1,
+                 system_prompt: str | None = None):
         super().__init__(
             dataset=dataset, split=split, name=self.hub_config, shuffle=shuffle, num_envs=num_envs,
             repeats=repeats, seed=seed, group_repeats=False, tokenizer=tokenizer, collate_fn=gsm8k_collate,
-            input_mode="history",
+            input_mode="history", system_prompt=system_prompt,
         )
         self.append_transform(StepCounter(max_steps=1))
         self.append_transform(GSM8KReward(tokenizer, correct_reward=correct_reward, format_reward=format_reward))
@@ -114,7 +115,8 @@ class IFEvalTask:
         from grpo.ifeval import make_ifeval_env
 
         return make_ifeval_env(cfg.env.dataset, split, tokenizer=tokenizer, weights=dict(cfg.reward.ifeval_weights),
-                               num_envs=num_envs, repeats=repeats, seed=cfg.seed, shuffle=shuffle)
+                               num_envs=num_envs, repeats=repeats, seed=cfg.seed, shuffle=shuffle,
+                               system_prompt=cfg.env.system_prompt)
 
 
 class GSM8KTask:
@@ -123,7 +125,7 @@ class GSM8KTask:
     @staticmethod
     def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
         return GSM8KTaskEnv(dataset=cfg.env.dataset, split=split, tokenizer=tokenizer, repeats=repeats,
-                            num_envs=num_envs, seed=cfg.seed, shuffle=shuffle,
+                            num_envs=num_envs, seed=cfg.seed, shuffle=shuffle, system_prompt=cfg.env.system_prompt,
                             correct_reward=cfg.reward.correct, format_reward=cfg.reward.format)
 
 

@@ -58,7 +58,6 @@ from typing import Any, Literal
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
-from torch.utils.data import DataLoader
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 
@@ -1135,25 +1134,23 @@ def collate_ifeval_rows(batch: Sequence[Mapping[str, Any]]) -> TensorDict:
 
 
 @functools.cache
-def _validated_env_class():
+def _validated_env_class(system_prompt: str | None = None):
     from torchrl.envs.llm import IFEvalEnv
+
+    from grpo.envs import PositionedLoader
 
     class ValidatedIFEvalEnv(IFEvalEnv):
         """``IFEvalEnv`` whose ``dataset`` is a list of already validated rows."""
+
+        # IFEvalEnv takes no system_prompt argument; a small model may need a shorter one
+        SYSTEM_PROMPT = IFEvalEnv.SYSTEM_PROMPT if system_prompt is None else system_prompt
 
         @staticmethod
         def _dataloader_factory(dataset, name, split, seed, batch_size_dl, shuffle, collate_fn):
             if seed is None:
                 seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-            return DataLoader(  # noqa: TOR401
-                dataset,
-                batch_size=batch_size_dl,
-                shuffle=shuffle,
-                collate_fn=collate_ifeval_rows,
-                generator=generator,
-            )
+            return PositionedLoader(dataset, seed=seed, batch_size_dl=batch_size_dl, shuffle=shuffle,
+                                    collate_fn=collate_ifeval_rows)
 
     return ValidatedIFEvalEnv
 
@@ -1171,6 +1168,7 @@ def make_ifeval_env(
     shuffle: bool = True,
     input_mode: Literal["history", "text", "tokens"] = "history",
     max_steps: int = 1,
+    system_prompt: str | None = None,
     **env_kwargs: Any,
 ):
     """An ``IFEvalEnv`` on rows loaded and validated by :func:`load_ifeval_rows`, with
@@ -1179,7 +1177,7 @@ def make_ifeval_env(
     Requires ``tensordict.set_list_to_stack(True).set()`` beforehand (TorchRL's rule).
     """
     rows = load_ifeval_rows(path_or_name, split)
-    env = _validated_env_class()(
+    env = _validated_env_class(system_prompt)(
         dataset=rows,
         shuffle=shuffle,
         num_envs=num_envs,

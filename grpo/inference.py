@@ -27,9 +27,9 @@ class TransformersInference:
         else:
             self.model = copy.deepcopy(_merged(policy_model)).to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.policy = make_transformers_policy(
-            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens))
+            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens))
         self.greedy_policy = make_transformers_policy(
-            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, greedy=True, max_new_tokens=cfg.eval.max_new_tokens))
+            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens))
         self.version = 0
 
     @torch.no_grad()

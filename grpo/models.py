@@ -44,18 +44,26 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else getattr(torch, name)
 
 
-def load_causal_lm(name: str, *, dtype: torch.dtype, device: torch.device):
+def load_causal_lm(name: str, *, dtype: torch.dtype, device: torch.device, shard_over: list[int] | None = None):
+    """A causal LM on ``device``, or split layer-wise over the GPUs ``shard_over`` (HF device_map)."""
     _check_model_name(name)
+    kwargs = {}
+    if shard_over and len(shard_over) > 1:
+        # Layer-wise model parallelism: accelerate places consecutive layers on each GPU and moves
+        # activations between them, so a model larger than one GPU trains without FSDP processes.
+        kwargs = {"device_map": "balanced", "max_memory": {i: torch.cuda.get_device_properties(i).total_memory
+                                                             for i in shard_over}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
     except OSError as err:
         raise ModelLoadError(f"model.name={name!r}: cannot load the model ({err}). Offline? Pass a local path.") from err
-    return model.to(device)
+    return model if kwargs else model.to(device)
 
 
-def load_policy_model(cfg, tokenizer, device: torch.device):
+def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):
     """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing."""
-    model = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.train_model.dtype, device), device=device)
+    model = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.train_model.dtype, device), device=device,
+                           shard_over=shard_over)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     if cfg.train_model.lora.enabled:
@@ -103,12 +111,15 @@ class GeneratingWrapper(TransformersWrapper):
         return torch.where(valid, log_probs, 0.0), logits
 
 
-def generate_kwargs(cfg, *, greedy: bool, max_new_tokens: int) -> dict:
+def generate_kwargs(cfg, tokenizer, *, greedy: bool, max_new_tokens: int) -> dict:
+    # A sampled pad token must end the reply: TorchRL strips pad ids when it unpads replies, so a
+    # pad inside one would shift every later token against its log-prob.
+    stop = {"eos_token_id": sorted({tokenizer.eos_token_id, tokenizer.pad_token_id})}
     if greedy:
-        return {"max_new_tokens": max_new_tokens, "do_sample": False}
+        return {"max_new_tokens": max_new_tokens, "do_sample": False, **stop}
     return {
         "max_new_tokens": max_new_tokens, "do_sample": True,
-        "temperature": cfg.inference_model.temperature, "top_p": cfg.inference_model.top_p,
+        "temperature": cfg.inference_model.temperature, "top_p": cfg.inference_model.top_p, **stop,
     }
 
 

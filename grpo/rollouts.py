@@ -24,7 +24,8 @@ def set_behaviour_log_probs(data: TensorDictBase) -> None:
 @torch.no_grad()
 def set_reference_log_probs(data: TensorDictBase, ref_wrapper, device: torch.device) -> None:
     """``("ref_log_probs","full")``: the reference model's log-probs of the same token sequences."""
-    scored = ref_wrapper(data.select(("tokens", "full")).to(device))
+    # the sampler's attention masks, not ones rebuilt from pad ids (a reply may contain the pad token)
+    scored = ref_wrapper(data.select(("tokens", "full"), ("masks", "all_attention_mask"), strict=False).to(device))
     for sample, scored_sample in zip(data.unbind(0), scored.unbind(0)):
         sample.set(("ref_log_probs", "full"), scored_sample["ref_log_probs", "full"].float().to(data.device or "cpu"))
 

