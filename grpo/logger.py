@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 PLOTTED = ["reward", "eval/accuracy", "kl_to_ref", "loss_objective", "clip_fraction", "ess", "entropy",
@@ -70,7 +71,11 @@ def read_metrics(path: Path) -> list[dict]:
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     """One panel per metric against the step; eval rows as markers."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # a bare GPU image may lack it; the metrics file is what matters
+        warnings.warn("matplotlib is not installed: no metrics.png (pip install matplotlib)")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
