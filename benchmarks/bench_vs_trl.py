@@ -106,9 +106,12 @@ atexit.register(_bench_dump_cuda_peak)
 # command line
 # ------------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="assets/tiny-model", help="local model folder (default: %(default)s)")
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        def _get_help_string(self, action):  # no "(default: None/False)": those helps say it themselves
+            return action.help if action.default in (None, False) else super()._get_help_string(action)
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    p.add_argument("--model", default="assets/tiny-model", help="local model folder")
     p.add_argument("--data", default="data/gsm8k_tiny", help="GSM8K-format data: folder of train/test.jsonl")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps (generation batches) per side")
     p.add_argument("--repeats", type=int, default=8, help="replies per prompt (group size)")
@@ -116,15 +119,15 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=24, help="reply length cap (rollouts and eval)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=2, help="optimiser steps of linear warm-up")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of both runs (data order, sampling, init)")
     p.add_argument("--epochs", type=int, default=2, help="passes over each generation batch")
     p.add_argument("--optim-batch-size", type=int, default=None,
                    help="samples per optimiser step (default: half the step's samples, as grpo_tiny)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimiser step")
     p.add_argument("--kl-coef", type=float, default=0.01, help="KL-to-reference coefficient (TRL's beta)")
-    p.add_argument("--clip-low", type=float, default=0.2)
-    p.add_argument("--clip-high", type=float, default=0.28)
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--clip-low", type=float, default=0.2, help="ratio clipped below at 1 - this")
+    p.add_argument("--clip-high", type=float, default=0.28, help="ratio clipped above at 1 + this")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides train and generate")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
@@ -136,7 +139,7 @@ def parse_args(argv=None):
     p.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
     p.add_argument("--eval-every", type=int, default=10, help="GRPO steps between evals (0: start and end only)")
     p.add_argument("--eval-problems", type=int, default=256, help="held-out problems per eval")
-    p.add_argument("--eval-batch-size", type=int, default=128)
+    p.add_argument("--eval-batch-size", type=int, default=128, help="prompts generated together in eval")
     p.add_argument("--out", default="bench_vs_trl.json", help="results JSON (a PNG is written next to it)")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     p.add_argument("--workdir", default=None, help="run dirs and logs (default: a temp dir, kept)")
@@ -269,13 +272,12 @@ def build_random_init_model(shape: str, tokenizer_dir: str, out_dir: Path, seed:
 def trl_worker(spec: dict) -> None:
     _import_project()
     import torch
+    from torchrl.envs.llm import GSM8KRewardParser
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.data_utils import apply_chat_template
 
     from grpo.envs import GSM8KTaskEnv, load_gsm8k
-    from torchrl.envs.llm import GSM8KRewardParser
-
     from grpo.rewards import is_well_formatted, numbers_match, reference_answer
     from grpo.setup import seed_everything
     from grpo.tiny_model import build_prompt
@@ -630,7 +632,7 @@ def print_report(results: dict) -> None:
         print(f"\nours: logged final eval/accuracy {o['accuracy_final']:.4f}, same evaluator on the saved checkpoint "
               f"{o['accuracy_final_reevaluated']:.4f} (match: {o['accuracy_reeval_matches_log']})")
     if "trl" in results:
-        print(f"trl: prompts token-identical to ours: {results['trl']['prompts_identical_to_ours']}; "
+        print(f"trl: prompt text identical to our env's: {results['trl']['prompts_identical_to_ours']}; "
               f"top_k={results['trl']['top_k']}")
 
 

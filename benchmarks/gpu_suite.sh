@@ -5,7 +5,7 @@
 #   2. tiny config, sync, train on GPU 0 / generation on GPU 1
 #   3. sync vs async on a random-init Qwen2.5-0.5B-shaped model, train GPU 0 / generation GPU 1
 #   4. the training model split over both GPUs (device_map), generation colocated (sync)
-#   5. this project vs TRL's GRPOTrainer, same 0.5B shape and batch, one GPU
+# (this project vs TRL on GPU: benchmarks/bench_vs_trl.py --device cuda --random-init-shape qwen2.5-0.5b)
 # Usage: OUT=/some/dir bash benchmarks/gpu_suite.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -29,7 +29,7 @@ PY
 
 run_grpo() {  # name, overrides...
   local name=$1; shift
-  timeout 240 python3 grpo/grpo.py --config-name grpo_tiny "${common[@]}" "hydra.run.dir=$OUT/$name" "$@" \
+  timeout 180 python3 grpo/grpo.py --config-name grpo_tiny "${common[@]}" "hydra.run.dir=$OUT/$name" "$@" \
     > "$OUT/$name.log" 2>&1 || { echo "$name FAILED"; tail -20 "$OUT/$name.log"; return; }
   echo "== $name"; grep -A4 "^Device allocation" "$OUT/$name.log"; summary "$OUT/$name"
 }
@@ -43,10 +43,7 @@ from pathlib import Path
 from bench_vs_trl import build_random_init_model
 build_random_init_model('qwen2.5-0.5b', 'assets/tiny-model', Path('/tmp/q05'), seed=0)"
 echo "== sync vs async, 0.5B shape"
-timeout 300 python3 benchmarks/bench_sync_async.py --steps 8 --out "$OUT/sync_async.json" -- model.name=/tmp/q05 \
+timeout 240 python3 benchmarks/bench_sync_async.py --steps 8 --out "$OUT/sync_async.json" -- model.name=/tmp/q05 \
   "${common[@]}" "${big[@]}" "train_model.devices=[0]" "inference_model.devices=[1]" 2>&1 | tail -12
 run_grpo sharded_train train.total_steps=3 model.name=/tmp/q05 "${big[@]}" train_model.num_devices=2 \
   inference_model.colocate=true ref_model.colocate=true
-echo "== vs TRL, 0.5B shape, GPU 0"
-CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_vs_trl.py --device cuda --random-init-shape qwen2.5-0.5b \
-  --steps 6 --max-new-tokens 128 --dtype bfloat16 --eval-every 0 --eval-problems 64 --out "$OUT/trl.json" 2>&1 | tail -30

@@ -21,8 +21,7 @@ class TransformersInference:
     def __init__(self, cfg, policy_model, tokenizer, device: torch.device):
         train_device = next(policy_model.parameters()).device
         dtype = torch_dtype(cfg.inference_model.dtype, device)
-        self.shares_training_model = device == train_device and dtype == next(policy_model.parameters()).dtype
-        if self.shares_training_model:
+        if device == train_device and dtype == next(policy_model.parameters()).dtype:
             self.model = policy_model
         else:
             self.model = copy.deepcopy(_merged(policy_model)).to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -36,7 +35,7 @@ class TransformersInference:
     def push_weights(self, source, version: int | None = None) -> float:
         """Make generation use new weights (a model, or a plain HF state dict); returns the seconds it took."""
         start = time.perf_counter()
-        if not self.shares_training_model:
+        if source is not self.model:  # the very same module needs no copy (sync, same device)
             weights = source if isinstance(source, dict) else inference_state_dict(source)
             for name, tensor in self.model.state_dict().items():
                 tensor.copy_(weights[name])
@@ -45,6 +44,11 @@ class TransformersInference:
 
     def shutdown(self) -> None:
         pass
+
+
+def weights_checksum(weights: dict) -> float:
+    """A float64 sum over every tensor: equal sums on both sides show a push arrived."""
+    return float(sum(weights[k].detach().double().sum().item() for k in sorted(weights)))
 
 
 def inference_state_dict(policy_model) -> dict:

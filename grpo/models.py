@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import torch
@@ -83,13 +82,16 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
     return model
 
 
-def load_reference_model(cfg, policy_model, device: torch.device):
-    """A frozen copy of the starting policy (LoRA runs reuse the base weights with adapters disabled)."""
-    dtype = torch_dtype(cfg.ref_model.dtype, device)
-    base = policy_model.get_base_model() if cfg.train_model.lora.enabled else policy_model
-    ref = copy.deepcopy(base).to(device=device, dtype=dtype)
-    ref.eval().requires_grad_(False)
-    return ref
+def load_reference_model(cfg, tokenizer, device: torch.device):
+    """The starting policy, frozen: loaded from ``model.name`` again (also the base of LoRA runs).
+
+    Loading rather than copying the policy keeps it the *initial* model on resume, and works
+    when the policy is split over several GPUs.
+    """
+    ref = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device)
+    if len(tokenizer) > ref.get_input_embeddings().num_embeddings:
+        ref.resize_token_embeddings(len(tokenizer))
+    return ref.eval().requires_grad_(False)
 
 
 class GeneratingWrapper(TransformersWrapper):
@@ -99,6 +101,11 @@ class GeneratingWrapper(TransformersWrapper):
     response token then has behaviour log-prob 0 (probability 1), so its importance ratio
     is pi_theta(token) instead of ~1 and it is always clipped. We compute every position.
     """
+
+    def forward(self, tensordict, *args, **kwargs):
+        out = super().forward(tensordict, *args, **kwargs)
+        # rollouts leave the accelerator right away: envs, rewards and buffers live on the CPU
+        return out.to("cpu") if self._device is not None and torch.device(self._device).type != "cpu" else out
 
     @classmethod
     def _log_probs_generate(cls, tokens, logits, pad_val=-100, pad=True):
@@ -128,6 +135,8 @@ def make_transformers_policy(model, tokenizer, *, gen_kwargs: dict):
     return GeneratingWrapper(
         model, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
         pad_output=False, generate_kwargs=gen_kwargs,
+        # without it the prompts stay on the CPU and sampling over the vocabulary runs there
+        device=next(model.parameters()).device,
     )
 
 

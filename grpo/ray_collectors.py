@@ -18,6 +18,7 @@ import torch
 from omegaconf import OmegaConf
 from ray.util.queue import Empty, Queue
 
+from grpo.inference import weights_checksum
 from grpo.setup import REPO_ROOT
 
 
@@ -48,11 +49,11 @@ class RolloutWorker:
         self._pending = None
         self._stop = False
         self.stats = {"batches": 0, "replies": 0, "tokens": 0, "generation_s": 0.0, "put_wait_s": 0.0,
-                      "weight_apply_s": 0.0, "version": 0}
+                      "weight_apply_s": 0.0, "version": 0, "pushes_verified": 0, "pushes_mismatched": 0}
 
-    def set_weights(self, weights: dict, version: int) -> None:
+    def set_weights(self, weights: dict, version: int, checksum: float) -> None:
         with self._lock:
-            self._pending = (weights, version)
+            self._pending = (weights, version, checksum)
 
     def stop(self) -> None:
         self._stop = True
@@ -87,9 +88,12 @@ class RolloutWorker:
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
-            weights, version = pending
+            weights, version, checksum = pending
             self.stats["weight_apply_s"] += self.inference.push_weights(weights, version=version)
             self.stats["version"] = version
+            # proof, not assumption: the generating model now holds exactly the pushed weights
+            applied = weights_checksum(self.inference.model.state_dict())
+            self.stats["pushes_verified" if applied == checksum else "pushes_mismatched"] += 1
 
 
 class CollectorError(RuntimeError):
@@ -158,8 +162,8 @@ class RolloutPool:
 
     def push_weights(self, weights: dict, version: int) -> float:
         t0 = time.perf_counter()
-        ref = ray.put({k: v.detach().cpu() for k, v in weights.items()})
-        self._get_all("set_weights", ref, version)
+        weights = {k: v.detach().cpu() for k, v in weights.items()}
+        self._get_all("set_weights", ray.put(weights), version, weights_checksum(weights))
         return time.perf_counter() - t0
 
     def stats(self) -> dict:
@@ -172,6 +176,8 @@ class RolloutPool:
             "collector_put_wait_s": sum(s["put_wait_s"] for s in per_worker),
             "collector_weight_apply_s": sum(s["weight_apply_s"] for s in per_worker),
             "collector_versions": [s["version"] for s in per_worker],
+            "weight_pushes_verified": sum(s["pushes_verified"] for s in per_worker),
+            "weight_pushes_mismatched": sum(s["pushes_mismatched"] for s in per_worker),
             "buffer_fill": self.queue.qsize(),
             "dropped_stale_batches": self.dropped_batches,
             "dropped_stale_replies": self.dropped_replies,

@@ -57,7 +57,7 @@ class TrainingRun:
         self.policy_model = load_policy_model(cfg, self.tokenizer, self.train_device, shard_over=self.alloc.train)
         self.ref_wrapper = None
         if cfg.train.use_kl_to_ref:
-            ref_model = load_reference_model(cfg, self.policy_model, self.ref_device)
+            ref_model = load_reference_model(cfg, self.tokenizer, self.ref_device)
             self.ref_wrapper = make_scoring_wrapper(ref_model, self.tokenizer, log_probs_key="ref_log_probs")
         # sync generates here; async generates in Ray workers and keeps a local engine on the
         # training device for greedy eval only
@@ -160,6 +160,8 @@ class TrainingRun:
             "collector_wait_s": delta["collector_put_wait_s"] + delta["collector_weight_apply_s"],
             "collector_weight_apply_s": delta["collector_weight_apply_s"],
             "collector_version_min": min(pool_stats["collector_versions"]),
+            "weight_pushes_verified": pool_stats["weight_pushes_verified"],
+            "weight_pushes_mismatched": pool_stats["weight_pushes_mismatched"],
         }
 
     # --- bookkeeping ----------------------------------------------------------------------------

@@ -1,6 +1,10 @@
 import os
 from pathlib import Path
 
+# Tests never reach the Hugging Face hub: everything runs on what the project ships or builds.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import pytest
 from tensordict import set_list_to_stack
 

@@ -41,6 +41,8 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
     assert rows[-1]["dropped_stale_batches"] > 0
     versions = [r["collector_version_min"] for r in rows]
     assert versions == sorted(versions) and versions[-1] >= 4, versions
+    # each push is checked on the worker: its generating model holds exactly the trainer's weights
+    assert rows[-1]["weight_pushes_verified"] >= 4 and rows[-1]["weight_pushes_mismatched"] == 0
 
 
 def test_lagged_batches_are_trained_within_bound(tmp_path):
@@ -52,6 +54,18 @@ def test_lagged_batches_are_trained_within_bound(tmp_path):
     # a step may see no new worker batch (worker blocked on a full FIFO), but overall both sides run
     assert sum(r["gen_samples_per_s"] for r in rows) > 0
     assert all(r["train_samples_per_s"] > 0 for r in rows)
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``pid`` is in ``ancestor``'s process tree (only this run's workers get killed)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
 
 
 def test_killed_worker_stops_the_run_with_its_error(tmp_path):
@@ -67,8 +81,9 @@ def test_killed_worker_stops_the_run_with_its_error(tmp_path):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(1)
         assert step_rows(tmp_path), "the run never logged a training step"
-        pids = subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True, text=True).stdout.split()
-        assert pids, "no rollout worker process found"
+        pids = [pid for pid in subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True,
+                                              text=True).stdout.split() if descends_from(int(pid), proc.pid)]
+        assert pids, "no rollout worker process of this run found"
         killed_at = time.time()
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
