@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from grpo.vllm_backend import (  # noqa: E402
-    build_tiny_qwen2,
     configure_vllm_env,
     make_vllm_engine,
     make_vllm_policy,
@@ -87,10 +85,8 @@ def timed_generate(policy, histories, repeats: int):
 
 def main(argv=None) -> dict:
     default_model = str(REPO / "assets" / "tiny-model")
-    if not (Path(default_model) / "config.json").is_file():
-        default_model = "tiny"
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=default_model, help="HF model dir, hub id, or 'tiny'")
+    p.add_argument("--model", default=default_model, help="HF model dir or hub id")
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5, help="timed batches per backend")
@@ -108,10 +104,6 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
 
     model_path = args.model
-    tmp = None
-    if model_path == "tiny":
-        tmp = tempfile.TemporaryDirectory(prefix="tiny-qwen2-")
-        model_path = build_tiny_qwen2(tmp.name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # `import torchrl.modules.llm` imports vllm when installed: time that import on its own
     configure_vllm_env(device=device, offline=os.path.isdir(model_path))
@@ -196,8 +188,6 @@ def main(argv=None) -> dict:
     print(json.dumps(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
-    if tmp is not None:
-        tmp.cleanup()
     return res
 
 

@@ -16,7 +16,6 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import time  # noqa: E402
 
 import hydra  # noqa: E402
-import torch  # noqa: E402
 from tensordict import set_list_to_stack  # noqa: E402
 from torchrl.collectors.llm import LLMCollector  # noqa: E402
 

@@ -45,7 +45,6 @@ __all__ = [
     "make_vllm_policy",
     "vllm_prompt_logprobs",
     "VLLMInference",
-    "build_tiny_qwen2",
 ]
 
 #: Smallest attention head size vLLM's CPU attention backend accepts.
@@ -461,96 +460,3 @@ class VLLMInference:
             import gc
 
             gc.collect()
-
-
-# --------------------------------------------------------------------------------------
-# a tiny random model for tests and benchmarks (no hub access needed)
-# --------------------------------------------------------------------------------------
-_CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
-    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}"
-    "{% endgeneration %}{{ '\n' }}"
-    "{% else %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-_CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "What is 12 plus 7? The answer is 19.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many in May.",
-    "Solve step by step and put the final answer after ####.",
-    "You are a helpful assistant. Think before you answer.",
-    "user assistant system: 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) <answer> </answer>",
-]
-
-
-def build_tiny_qwen2(
-    path: str | os.PathLike,
-    *,
-    hidden_size: int = 128,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    num_hidden_layers: int = 2,
-    intermediate_size: int = 256,
-    vocab_size: int = 512,
-    initializer_range: float = 0.1,
-    tie_word_embeddings: bool = True,
-    seed: int = 0,
-) -> str:
-    """Save a random-init Qwen2 causal LM plus a byte-level BPE tokenizer (trained with the
-    ``tokenizers`` library on a few sentences, ChatML template) into ``path``.
-
-    The default shape (4 heads of 32) is the smallest vLLM's CPU backend serves. A larger
-    ``initializer_range`` than HF's 0.02 gives peaked, non-uniform next-token distributions,
-    so log-prob comparisons actually discriminate between weights.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer=trainer)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        model_max_length=4096,
-    )
-    hf_tok.chat_template = _CHATML_TEMPLATE
-    hf_tok.save_pretrained(path)
-
-    torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        vocab_size=len(hf_tok),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        max_position_embeddings=4096,
-        initializer_range=initializer_range,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=hf_tok.pad_token_id,
-        eos_token_id=hf_tok.eos_token_id,
-        pad_token_id=hf_tok.pad_token_id,
-    )
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
-    model.generation_config.eos_token_id = hf_tok.eos_token_id
-    model.generation_config.pad_token_id = hf_tok.pad_token_id
-    model.save_pretrained(path)
-    return path

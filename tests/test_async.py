@@ -7,7 +7,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
 
@@ -39,21 +38,11 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
     assert [r["step"] for r in rows] == list(range(1, 7))
     assert all(r["policy_lag_max"] <= 0 for r in rows)
     assert rows[-1]["dropped_stale_batches"] > 0
+    assert sum(r["gen_samples_per_s"] for r in rows) > 0 and all(r["train_samples_per_s"] > 0 for r in rows)
     versions = [r["collector_version_min"] for r in rows]
     assert versions == sorted(versions) and versions[-1] >= 4, versions
     # each push is checked on the worker: its generating model holds exactly the trainer's weights
     assert rows[-1]["weight_pushes_verified"] >= 4 and rows[-1]["weight_pushes_mismatched"] == 0
-
-
-def test_lagged_batches_are_trained_within_bound(tmp_path):
-    proc = run_async(tmp_path, ["train.total_steps=5", "train.weight_update_frequency=1", "train.max_policy_lag=2",
-                                "train.buffer_size=2"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = step_rows(tmp_path)
-    assert all(r["policy_lag_max"] <= 2 for r in rows)
-    # a step may see no new worker batch (worker blocked on a full FIFO), but overall both sides run
-    assert sum(r["gen_samples_per_s"] for r in rows) > 0
-    assert all(r["train_samples_per_s"] > 0 for r in rows)
 
 
 def descends_from(pid: int, ancestor: int) -> bool:

@@ -82,7 +82,7 @@ def test_clipped_loss_matches_hand_computation(setup):
     eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
     gen = torch.Generator().manual_seed(1)
     advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
-    gains, clipped, count, cur_lps, prev_lps = [], 0, 0, [], []
+    gains, clipped, count = [], 0, 0
     with torch.no_grad():
         for i, sample in enumerate(batch.unbind(0)):
             cur = reply_log_probs(model, sample)

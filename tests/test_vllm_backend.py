@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from grpo.vllm_backend import (
-    build_tiny_qwen2,
     check_vllm_available,
     check_vllm_model_shape,
     configure_vllm_env,
@@ -53,15 +52,10 @@ def _usable(path: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def model_dir(request, tmp_path_factory) -> str:
-    """assets/tiny-model (or conftest's GRPO_TEST_MODEL) when present and servable, else a
-    random Qwen2 (hidden 128, 4 heads of 32, 2 layers) built here."""
-    try:
-        candidate = Path(request.getfixturevalue("tiny_model_dir"))
-    except pytest.FixtureLookupError:
-        candidate = ASSET
-    if _usable(candidate):
-        return str(candidate)
-    return build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2"))
+    """assets/tiny-model (or conftest's GRPO_TEST_MODEL): a Qwen2 with head size 32."""
+    candidate = Path(request.getfixturevalue("tiny_model_dir"))
+    assert _usable(candidate), f"{candidate} is not a servable model folder"
+    return str(candidate)
 
 
 @pytest.fixture(scope="module")
