@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader
 import torch
+from torchrl.collectors.llm import LLMCollector
 from torchrl.envs import Compose, StepCounter
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv
@@ -144,3 +145,12 @@ def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle
     """The task env named by ``env.task`` over one split of ``env.dataset``."""
     return TASK_ENVS[cfg.env.task].build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs,
                                          shuffle=shuffle)
+
+
+def make_collector(env, policy, dialog_turns_per_batch: int) -> LLMCollector:
+    """TorchRL's LLM collector over ``env``: each batch holds ``dialog_turns_per_batch`` replies."""
+    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=dialog_turns_per_batch, total_dialog_turns=-1)
+    # Each batch is already a fresh stack of cloned env outputs (LLMCollector._rollout_all), so the
+    # iterator's second deep clone only costs time: about 0.2 s of a 2.7 s step on the tiny task.
+    collector.return_same_td = True
+    return collector

@@ -25,13 +25,13 @@ from tensordict import set_list_to_stack  # noqa: E402
 from grpo.inference import inference_state_dict  # noqa: E402
 from grpo.ray_collectors import RolloutPool  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
-from grpo.setup import REPO_ROOT, clear_errors  # noqa: E402
+from grpo.setup import clear_errors, ray_pythonpath  # noqa: E402
 
 
 def train(cfg) -> TrainingRun:
     run = TrainingRun(cfg, mode="async")  # config checks, devices, models, envs, loss, optimiser, logger
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}}, ignore_reinit_error=True)
+             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, ignore_reinit_error=True)
     pool = RolloutPool(cfg, run.rollout_devices)
     pool.push_weights(inference_state_dict(run.policy_model), version=run.optim_steps)  # restored weights on resume
     pushed_at = run.optim_steps
@@ -43,11 +43,8 @@ def train(cfg) -> TrainingRun:
                 batches = [pool.next_batch(run.optim_steps) for _ in range(run.batches_per_step)]
                 batch = batches[0][0] if len(batches) == 1 else _cat([b for b, _ in batches])
                 lags = [lag for _, lag in batches]
-                metrics = run.prepare(batch)            # behaviour + reference log-probs, KL, rewards
-                run.buffer.extend(batch)                # group advantages (r - mean) / std, per prompt
-                metrics |= run.advantage_stats()
-                metrics |= run.optimize()               # epochs x minibatches of the clipped GRPO loss
-                run.buffer.empty()
+                samples, metrics = run.prepare(batch)   # dense batch: reference log-probs, KL, group advantages
+                metrics |= run.optimize(samples)        # epochs x shuffled minibatches of the clipped GRPO loss
                 if run.optim_steps - pushed_at >= cfg.train.weight_update_frequency:
                     metrics["weight_sync_s"] = pool.push_weights(inference_state_dict(run.policy_model),
                                                                  version=run.optim_steps)

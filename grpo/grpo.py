@@ -17,16 +17,15 @@ import time  # noqa: E402
 
 import hydra  # noqa: E402
 from tensordict import set_list_to_stack  # noqa: E402
-from torchrl.collectors.llm import LLMCollector  # noqa: E402
 
+from grpo.envs import make_collector  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
 from grpo.setup import clear_errors  # noqa: E402
 
 
 def train(cfg) -> TrainingRun:
     run = TrainingRun(cfg, mode="sync")  # config checks, devices, models, envs, loss, optimiser, logger
-    collector = LLMCollector(run.env, policy=run.inference.policy,
-                             dialog_turns_per_batch=cfg.train.dialog_turns_per_batch, total_dialog_turns=-1)
+    collector = make_collector(run.env, run.inference.policy, cfg.train.dialog_turns_per_batch)
     run.attach_collector(collector)                 # its pending prompts are checkpointed too
     with run.guard():
         run.evaluate_if_due(force=True)
@@ -35,11 +34,8 @@ def train(cfg) -> TrainingRun:
             t0 = time.perf_counter()
             batch = next(batches).reshape(-1)       # G replies for each prompt, with sampler log-probs
             t_gen = time.perf_counter() - t0
-            metrics = run.prepare(batch)            # behaviour + reference log-probs, KL, rewards
-            run.buffer.extend(batch)                # group advantages (r - mean) / std, per prompt
-            metrics |= run.advantage_stats()
-            metrics |= run.optimize()               # epochs x minibatches of the clipped GRPO loss
-            run.buffer.empty()
+            samples, metrics = run.prepare(batch)   # dense batch: reference log-probs, KL, group advantages
+            metrics |= run.optimize(samples)        # epochs x shuffled minibatches of the clipped GRPO loss
             metrics["weight_sync_s"] = run.inference.push_weights(run.policy_model)  # before the next collection
             metrics |= {"generation_s": t_gen, "policy_version": run.inference.version}
             run.log_step(step, metrics, t0)

@@ -104,8 +104,11 @@ class GeneratingWrapper(TransformersWrapper):
 
     def forward(self, tensordict, *args, **kwargs):
         out = super().forward(tensordict, *args, **kwargs)
-        # rollouts leave the accelerator right away: envs, rewards and buffers live on the CPU
-        return out.to("cpu") if self._device is not None and torch.device(self._device).type != "cpu" else out
+        if self._device is None or torch.device(self._device).type == "cpu":
+            return out
+        # rollouts leave the accelerator right away: envs, rewards and buffers live on the CPU. The
+        # env's tensordicts have no device, so neither may this one (tensordict refuses to mix them).
+        return out.to("cpu").clear_device_()
 
     @classmethod
     def _log_probs_generate(cls, tokens, logits, pad_val=-100, pad=True):
@@ -140,9 +143,30 @@ def make_transformers_policy(model, tokenizer, *, gen_kwargs: dict):
     )
 
 
-def make_scoring_wrapper(model, tokenizer, *, log_probs_key: str = "log_probs"):
-    """Log-probs of given token sequences (training policy and reference): tokens mode, no re-templating."""
-    return TransformersWrapper(
-        model, tokenizer=tokenizer, input_mode="tokens", generate=False, return_log_probs=True,
-        pad_output=False, log_probs_key=log_probs_key,
-    )
+def reply_log_probs(model, batch, *, with_entropy: bool, entropy_grad: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[S, R]`` log pi(reply token | everything before it), and the per-token entropy if asked.
+
+    ``batch`` is the dense layout of ``grpo.rollouts`` (replies start at column ``P``). Only the
+    last ``R + 1`` positions go through the LM head (``logits_to_keep``): the prompt positions'
+    logits, which TorchRL's wrapper materialises over the whole vocabulary, are never needed.
+    ``entropy_grad=False`` keeps the full-vocabulary entropy out of the autograd graph (it is then
+    only logged), which saves its backward and its activations.
+    """
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    width_r = batch["reply_mask"].shape[1]
+    # positions count real tokens only, as in generation from left-padded prompts
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
+                   logits_to_keep=width_r + 1, use_cache=False).logits[:, :-1].float()
+    targets = (input_ids[:, -width_r:] if width_r else input_ids[:, :0]).to(logits.device)
+    # log-softmax at the target only: the backward needs no [S, R, V] log-prob tensor
+    token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    # a model split over GPUs returns logits on its last one; the batch lives on the first
+    token_lp = token_lp.to(input_ids.device)
+    if not with_entropy:
+        return token_lp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        log_probs = logits.log_softmax(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return token_lp, entropy.to(input_ids.device)

@@ -19,16 +19,16 @@ from omegaconf import OmegaConf
 from ray.util.queue import Empty, Queue
 
 from grpo.inference import weights_checksum
-from grpo.setup import REPO_ROOT
+from grpo.models import torch_dtype
+from grpo.setup import ray_pythonpath
 
 
 @ray.remote(max_concurrency=2)  # one thread generates, the other receives weights and stop requests
 class RolloutWorker:
     def __init__(self, cfg_dict: dict, worker_id: int, device: str):
         from tensordict import set_list_to_stack
-        from torchrl.collectors.llm import LLMCollector
 
-        from grpo.envs import make_env
+        from grpo.envs import make_collector, make_env
         from grpo.inference import make_inference
         from grpo.models import load_causal_lm, load_tokenizer, torch_dtype
         from grpo.setup import seed_everything
@@ -43,8 +43,7 @@ class RolloutWorker:
                                device=torch_device).eval().requires_grad_(False)
         self.inference = make_inference(cfg, model, tokenizer, torch_device)
         env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
-        self.collector = LLMCollector(env, policy=self.inference.policy, dialog_turns_per_batch=cfg.env.num_envs,
-                                      total_dialog_turns=-1)
+        self.collector = make_collector(env, self.inference.policy, cfg.env.num_envs)
         self._lock = threading.Lock()
         self._pending = None
         self._stop = False
@@ -105,9 +104,10 @@ class RolloutPool:
 
     def __init__(self, cfg, devices: list[str]):
         self.cfg = cfg
+        self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         self.queue = Queue(maxsize=cfg.train.buffer_size)
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
-        runtime_env = {"env_vars": {"PYTHONPATH": str(REPO_ROOT),
+        runtime_env = {"env_vars": {"PYTHONPATH": ray_pythonpath(),
                                     # workers address GPUs by the allocation's logical ids
                                     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         self.workers = [
@@ -161,9 +161,16 @@ class RolloutPool:
             return batch, lag
 
     def push_weights(self, weights: dict, version: int) -> float:
+        """Hand new weights to every worker (each applies them between two batches); returns the seconds it took.
+
+        Cast to the workers' dtype and checksummed where the weights are (on the GPU a float64 sum
+        over a 0.5B model is milliseconds; on the host it took seconds and blocked the trainer).
+        """
         t0 = time.perf_counter()
-        weights = {k: v.detach().cpu() for k, v in weights.items()}
-        self._get_all("set_weights", ray.put(weights), version, weights_checksum(weights))
+        weights = {k: v.detach().to(self.weights_dtype) for k, v in weights.items()}
+        checksum = weights_checksum(weights)
+        weights = {k: v.cpu() for k, v in weights.items()}
+        self._get_all("set_weights", ray.put(weights), version, checksum)
         return time.perf_counter() - t0
 
     def stats(self) -> dict:

@@ -21,10 +21,10 @@ from grpo.envs import EVAL_FIELDS, TASK_ENVS, data_position, make_env, skip_to_p
 from grpo.evaluation import evaluate
 from grpo.inference import make_inference
 from grpo.logger import RunLogger
-from grpo.models import load_policy_model, load_reference_model, load_tokenizer, make_scoring_wrapper
+from grpo.models import load_policy_model, load_reference_model, load_tokenizer
 from grpo.rollouts import prepare_rollouts
 from grpo.setup import REPO_ROOT, StopFlag, StopRequested, resolve_local_paths, resolved_config, seed_everything
-from grpo.trainer import make_loss, make_optimizer, make_replay_buffer, make_scheduler, optimize_on_batch
+from grpo.trainer import GRPOObjective, make_optimizer, make_replay_buffer, make_scheduler, optimize_on_batch
 
 
 class TrainingRun:
@@ -55,10 +55,7 @@ class TrainingRun:
 
         self.tokenizer = load_tokenizer(cfg.model.name)
         self.policy_model = load_policy_model(cfg, self.tokenizer, self.train_device, shard_over=self.alloc.train)
-        self.ref_wrapper = None
-        if cfg.train.use_kl_to_ref:
-            ref_model = load_reference_model(cfg, self.tokenizer, self.ref_device)
-            self.ref_wrapper = make_scoring_wrapper(ref_model, self.tokenizer, log_probs_key="ref_log_probs")
+        self.ref_model = load_reference_model(cfg, self.tokenizer, self.ref_device) if cfg.train.use_kl_to_ref else None
         # sync generates here; async generates in Ray workers and keeps a local engine on the
         # training device for greedy eval only
         self.rollout_devices = [str(self.alloc.torch_device("inference"))] if self.alloc.cpu else \
@@ -72,8 +69,7 @@ class TrainingRun:
         self.eval_env = make_env(cfg, self.tokenizer, split=cfg.env.test_split, repeats=1,
                                  num_envs=min(cfg.eval.batch_size, self.num_eval_problems), shuffle=False)
 
-        self.buffer = make_replay_buffer(cfg)
-        self.loss_fn = make_loss(cfg, make_scoring_wrapper(self.policy_model, self.tokenizer))
+        self.loss_fn = GRPOObjective(cfg, self.policy_model)
         optim_steps_per_batch = cfg.train.epochs * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size
         self.optimizer = make_optimizer(cfg, self.policy_model)
         self.scheduler = make_scheduler(cfg, self.optimizer, cfg.train.total_steps * optim_steps_per_batch)
@@ -120,24 +116,23 @@ class TrainingRun:
             bar.set_postfix(self._postfix)
             self.stop_flag.raise_if_set()  # at a step boundary, after that step's eval and checkpoint
 
-    def prepare(self, batch) -> dict:
+    def prepare(self, rollouts) -> tuple:
+        """Collected rollouts -> dense training batch with reference log-probs and group advantages."""
         t0 = time.perf_counter()
-        if "row_index" in batch.keys():
-            stats = {"prompt_indices": sorted({int(i) for i in batch["row_index"].flatten().tolist()})}
+        if "row_index" in rollouts.keys():
+            stats = {"prompt_indices": sorted({int(i) for i in rollouts["row_index"].flatten().tolist()})}
         else:
             stats = {}
-        stats |= prepare_rollouts(batch, ref_wrapper=self.ref_wrapper, ref_device=self.ref_device,
-                                 kl_to_ref_coeff=self.cfg.train.kl_to_ref_coeff,
-                                 kl_in_reward=not self.cfg.train.kl_coef_in_loss)
-        return stats | {"reference_s": time.perf_counter() - t0}
+        micro = self.cfg.train.optim_batch_size // self.cfg.train.gradient_accumulation_steps
+        batch, rollout_stats = prepare_rollouts(
+            rollouts, pad_token_id=self.tokenizer.pad_token_id, ref_model=self.ref_model, ref_device=self.ref_device,
+            micro_batch=micro, kl_to_ref_coeff=self.cfg.train.kl_to_ref_coeff,
+            kl_in_reward=not self.cfg.train.kl_coef_in_loss)
+        return batch, stats | rollout_stats | {"reference_s": time.perf_counter() - t0}
 
-    def advantage_stats(self) -> dict:
-        adv = self.buffer[:]["advantage"].float()
-        return {"advantage_std": adv.std().item(), "advantage_mean": adv.mean().item()}
-
-    def optimize(self) -> dict:
+    def optimize(self, samples) -> dict:
         t0 = time.perf_counter()
-        stats = optimize_on_batch(self.buffer, self.loss_fn, self.optimizer, self.scheduler, self.scaler,
+        stats = optimize_on_batch(make_replay_buffer(self.cfg, samples), self.loss_fn, self.optimizer, self.scheduler, self.scaler,
                                   self.cfg, self.train_device, self.policy_model)
         self.optim_steps += stats["optim_steps"]
         train_s = time.perf_counter() - t0

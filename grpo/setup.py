@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import sys
@@ -13,6 +14,11 @@ import torch
 from omegaconf import OmegaConf
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def ray_pythonpath() -> str:
+    """PYTHONPATH for Ray workers: the repo (for ``grpo``) and whatever this process was given."""
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def resolve_local_paths(cfg) -> None:

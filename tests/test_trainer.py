@@ -1,4 +1,5 @@
-"""The GRPO loss and the group advantage against hand computations on small real batches."""
+"""The GRPO loss and the group advantage: against hand computations and against TorchRL's own
+GRPOLoss and MCAdvantage, on small real batches collected by TorchRL's collector."""
 
 import math
 
@@ -6,13 +7,16 @@ import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
 from torchrl.collectors.llm import LLMCollector
+from torchrl.modules.llm import TransformersWrapper
+from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from conftest import compose
 from grpo.envs import make_env
-from grpo.models import generate_kwargs, load_policy_model, load_tokenizer, make_scoring_wrapper, make_transformers_policy
-from grpo.rollouts import prepare_rollouts
+from grpo.models import generate_kwargs, load_policy_model, load_tokenizer, make_transformers_policy, reply_log_probs
+from grpo.rollouts import (group_advantages, per_sample_kl_to_ref, prepare_rollouts, prompt_group_ids,
+                           to_training_batch, trim_padding)
 from grpo.setup import resolve_local_paths
-from grpo.trainer import make_loss, make_replay_buffer
+from grpo.trainer import GRPOObjective, make_replay_buffer
 
 
 @pytest.fixture(scope="module")
@@ -20,19 +24,21 @@ def setup(tiny_model_dir, tiny_data_dir):
     torch.manual_seed(0)
     cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "env.repeats=4",
                                 "env.num_envs=8", "train.dialog_turns_per_batch=8", "train.optim_batch_size=8",
-                                "inference_model.max_new_tokens=12"])
+                                "inference_model.max_new_tokens=24"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     model = load_policy_model(cfg, tok, torch.device("cpu"))
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
-    policy = make_transformers_policy(model, tok, gen_kwargs=generate_kwargs(cfg, tok, greedy=False, max_new_tokens=12))
-    batch = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
-    prepare_rollouts(batch, ref_wrapper=None, ref_device=None, kl_to_ref_coeff=0.0, kl_in_reward=False)
-    return cfg, tok, model, batch
+    policy = make_transformers_policy(model, tok, gen_kwargs=generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24))
+    rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
+    batch, _ = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, ref_model=None, ref_device=None,
+                                micro_batch=8, kl_to_ref_coeff=0.0, kl_in_reward=False)
+    assert len(set(batch["reply_length"].tolist())) > 1, "the test needs replies of different lengths"
+    return cfg, tok, model, rollouts, batch
 
 
-def reply_log_probs(model, sample) -> torch.Tensor:
-    """log pi(token_t | tokens_<t) of the reply tokens, straight from the HF model."""
+def unpadded_reply_log_probs(model, sample) -> torch.Tensor:
+    """log pi(token_t | tokens_<t) of one sample's reply tokens, straight from the HF model, no padding."""
     full = sample["tokens", "full"]
     n = sample["tokens", "response"].shape[-1]
     logits = model(full[None]).logits[0, :-1].float()
@@ -40,112 +46,186 @@ def reply_log_probs(model, sample) -> torch.Tensor:
     return lp[-n:]
 
 
-def test_behaviour_log_probs_are_the_samplers(setup):
-    """Collected log-probs equal the generating model's, first reply token included (TorchRL zeroes it)."""
-    _, _, model, batch = setup
+def test_dense_batch_keeps_the_samplers_log_probs_and_the_model_agrees(setup):
+    """Behaviour log-probs are the sampler's (first reply token included: TorchRL zeroes it), and the
+    padded reply-only forward of the loss gives the same numbers as an unpadded forward."""
+    _, _, model, rollouts, batch = setup
     with torch.no_grad():
-        for sample in batch.unbind(0):
+        dense_lp, _ = reply_log_probs(model, batch, with_entropy=False)
+        for i, sample in enumerate(rollouts.unbind(0)):
             n = sample["tokens", "response"].shape[-1]
-            torch.testing.assert_close(sample["log_probs", "full"][-n:], reply_log_probs(model, sample),
-                                       atol=1e-4, rtol=1e-4)
+            reference = unpadded_reply_log_probs(model, sample)
+            torch.testing.assert_close(batch["behaviour_log_probs"][i, :n], reference, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(dense_lp[i, :n], reference, atol=1e-4, rtol=1e-4)
+            assert batch["reply_mask"][i].sum() == n
+            assert torch.equal(batch["input_ids"][i][batch["attention_mask"][i]], sample["tokens", "full"])
 
 
-def test_group_advantage_is_standardised_reward(setup):
-    cfg, _, _, batch = setup
-    batch = batch.clone()
+def test_trim_padding_leaves_log_probs_unchanged(setup):
+    _, _, model, _, batch = setup
+    shorter = (batch["reply_length"] < batch["reply_length"].max()).nonzero().flatten()
+    part = batch[shorter]
+    trimmed = trim_padding(part)
+    assert trimmed["reply_mask"].shape[1] == int(part["reply_length"].max()) < part["reply_mask"].shape[1]
+    with torch.no_grad():
+        full, _ = reply_log_probs(model, part, with_entropy=False)
+        short, _ = reply_log_probs(model, trimmed, with_entropy=False)
+    width = trimmed["reply_mask"].shape[1]
+    torch.testing.assert_close(short * trimmed["reply_mask"], full[:, :width] * part["reply_mask"][:, :width],
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_group_advantage_equals_torchrl_mcadvantage(setup):
+    _, _, _, rollouts, batch = setup
     rewards = torch.tensor([1.0, 0.0, 0.1, 1.0, 0.0, 0.0, 0.0, 1.1])
-    batch.set(("next", "reward"), rewards.view(8, 1, 1))
-    buffer = make_replay_buffer(cfg)
-    buffer.extend(batch)
-    stored = buffer[:]
-    assert len(buffer) == 8
-    by_query: dict[str, list[tuple[float, float]]] = {}
-    for s in stored.unbind(0):
-        by_query.setdefault(s["query"], []).append((float(s["next", "reward"].flatten()[0]),
-                                                    float(s["advantage"].flatten()[0])))
-    assert len(by_query) == 2
-    for pairs in by_query.values():
-        r = [p[0] for p in pairs]
-        mean = sum(r) / len(r)
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1))  # unbiased, as torch.std
-        for reward, adv in pairs:
-            assert adv == pytest.approx((reward - mean) / max(std, 1e-6), abs=1e-5)
+    rollouts = rollouts.clone()
+    rollouts.set(("next", "reward"), rewards.view(8, 1, 1))
+    oracle = MCAdvantage(grpo_size=4)._inv_call(rollouts)
+    expected = {(s["query"], float(s["next", "reward"].flatten()[0])): float(s["advantage"].flatten()[0])
+                for s in oracle.unbind(0)}
+    ours = group_advantages(rewards, prompt_group_ids(batch))
+    assert len(set(prompt_group_ids(batch).tolist())) == 2
+    for sample, r, a in zip(rollouts.unbind(0), rewards.tolist(), ours.tolist()):
+        assert a == pytest.approx(expected[(sample["query"], r)], abs=1e-5)
+
+
+def test_group_advantage_by_hand_any_order():
+    group_ids = torch.tensor([3, 7, 3, 7, 3, 7])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 1.0])
+    got = group_advantages(rewards, group_ids)
+    for g in (3, 7):
+        r = rewards[group_ids == g]
+        mean, std = r.mean(), math.sqrt(((r - r.mean()) ** 2).sum() / (len(r) - 1))
+        torch.testing.assert_close(got[group_ids == g], (r - mean) / std)
+    # all-equal rewards carry no signal; a lone reply has no baseline
+    assert group_advantages(torch.ones(4), torch.zeros(4)).abs().max() == 0
+    assert group_advantages(torch.tensor([2.0]), torch.tensor([0])).item() == 0
+
+
+def _perturbed_old_log_probs(batch, seed=1, scale=1.2):
+    gen = torch.Generator().manual_seed(seed)
+    noise = (torch.rand(batch["behaviour_log_probs"].shape, generator=gen) - 0.5) * scale
+    return batch["behaviour_log_probs"] - noise * batch["reply_mask"]
+
+
+def test_loss_value_and_gradient_equal_torchrl_grpoloss(setup):
+    """Same estimator as TorchRL's GRPOLoss (token_mean, asymmetric clip, masked entropy) on the same data."""
+    cfg, tok, model, rollouts, batch = setup
+    batch = batch.clone()
+    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch)
+    batch["advantage"] = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
+    cfg = cfg.copy()
+    cfg.train.use_kl_to_ref = False
+    cfg.train.kl_to_inference_coeff = None
+
+    # TorchRL: per-sample tensordicts with ("log_probs","full") over prompt + reply
+    rollouts = rollouts.clone()
+    for i, sample in enumerate(rollouts.unbind(0)):
+        n, p = int(batch["reply_length"][i]), sample["tokens", "prompt"].shape[-1]
+        sample.set(("log_probs", "full"), torch.cat([torch.zeros(p), batch["behaviour_log_probs"][i, :n]]))
+    rollouts.set("advantage", batch["advantage"].view(8, 1, 1))
+    torchrl_loss = GRPOLoss(
+        TransformersWrapper(model, tokenizer=tok, input_mode="tokens", generate=False, return_log_probs=True,
+                            pad_output=False),
+        clip_epsilon=(cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high), entropy_bonus=True,
+        entropy_coeff=1.0, aggregation="token_mean", masking_strategy="sft")
+    torchrl_loss.set_keys(sample_log_prob=("log_probs", "full"))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    expected = torchrl_loss(rollouts)
+    expected_grad = torch.autograd.grad(expected.loss_objective, params)
+    ours = GRPOObjective(cfg, model)(batch)
+    grad = torch.autograd.grad(ours["loss_objective"], params)
+
+    assert float(ours["loss_objective"]) == pytest.approx(float(expected.loss_objective), rel=1e-4, abs=1e-6)
+    assert float(ours["ESS"]) == pytest.approx(float(expected.ESS), rel=1e-5)
+    assert float(ours["loss_entropy"]) == pytest.approx(float(expected.loss_entropy), rel=1e-4)
+    for g, e in zip(grad, expected_grad):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-3)
+    assert float(ours["clip_fraction"]) > 0 and 0 < float(ours["ESS"]) < 1
 
 
 def test_clipped_loss_matches_hand_computation(setup):
     """Known importance ratios and advantages: loss = -mean_tokens min(r A, clip(r, 1-el, 1+eh) A)."""
-    cfg, tok, model, batch = setup
+    cfg, _, model, _, batch = setup
+    batch = batch.clone()
+    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
+    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
+    with torch.no_grad():
+        cur, _ = reply_log_probs(model, batch, with_entropy=False)
+    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch)
+    batch["advantage"] = advantages
+    gains, clipped, count = [], 0, 0
+    for i in range(8):
+        n = int(batch["reply_length"][i])
+        ratio = (cur[i, :n] - batch["behaviour_log_probs"][i, :n]).exp()
+        a = advantages[i]
+        gains.append(torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a))
+        clipped += int(((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).sum())
+        count += n
+    out = GRPOObjective(cfg, model)(batch)
+    assert float(out["loss_objective"]) == pytest.approx(float(-torch.cat(gains).sum() / count), rel=1e-4, abs=1e-5)
+    assert float(out["clip_fraction"]) == pytest.approx(clipped / count, abs=1e-6)
+    assert 0 < float(out["ESS"]) < 1
+
+
+def test_prompt_mean_weights_each_sample_equally(setup):
+    cfg, _, model, _, batch = setup
     batch = batch.clone()
     cfg = cfg.copy()
-    cfg.train.use_kl_to_ref = False
-    loss_fn = make_loss(cfg, make_scoring_wrapper(model, tok))
-    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
-    gen = torch.Generator().manual_seed(1)
-    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
-    gains, clipped, count = [], 0, 0
+    cfg.train.aggregation = "prompt_mean"
+    batch["advantage"] = torch.linspace(-1, 1, 8)
     with torch.no_grad():
-        for i, sample in enumerate(batch.unbind(0)):
-            cur = reply_log_probs(model, sample)
-            log_ratio = (torch.rand(cur.shape, generator=gen) - 0.5) * 1.2  # ratios in [0.55, 1.82]
-            prev = cur - log_ratio
-            full = sample["log_probs", "full"].clone()
-            full[-cur.numel():] = prev
-            sample.set(("log_probs", "full"), full)
-            ratio = log_ratio.exp()
-            a = advantages[i]
-            gains.append(torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a))
-            clipped += int(((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).sum())
-            count += cur.numel()
-    batch.set("advantage", advantages.view(8, 1, 1))
-    out = loss_fn(batch)
-    expected = -torch.cat(gains).sum() / count
-    assert float(out.loss_objective) == pytest.approx(float(expected), rel=1e-4, abs=1e-5)
-    assert float(out.clip_fraction) == pytest.approx(clipped / count, abs=1e-6)
-    assert 0 < float(out.ESS) < 1
+        cur, _ = reply_log_probs(model, batch, with_entropy=False)
+        out = GRPOObjective(cfg, model)(batch)
+    # old == sampler log-probs, so each ratio is ~1 and each sample's mean gain is ~its advantage
+    ratio = (cur - batch["behaviour_log_probs"]).exp() * batch["reply_mask"]
+    per_sample = (ratio * batch["advantage"][:, None]).sum(-1) / batch["reply_length"]
+    assert float(out["loss_objective"]) == pytest.approx(float(-per_sample.mean()), abs=1e-5)
 
 
 def test_kl_to_ref_penalty_is_masked_k3(setup):
-    cfg, tok, model, batch = setup
+    cfg, _, model, _, batch = setup
     batch = batch.clone()
     cfg = cfg.copy()
     cfg.train.kl_to_ref_coeff = 0.5
-    loss_fn = make_loss(cfg, make_scoring_wrapper(model, tok))
-    diffs = []
     with torch.no_grad():
-        for sample in batch.unbind(0):
-            cur = reply_log_probs(model, sample)
-            ref = cur + 0.3 * torch.randn(cur.shape)
-            full = torch.zeros_like(sample["log_probs", "full"])
-            full[-cur.numel():] = ref
-            sample.set(("ref_log_probs", "full"), full)
-            diffs.append(ref - cur)
-    batch.set("advantage", torch.zeros(8, 1, 1))
-    out = loss_fn(batch)
-    d = torch.cat(diffs)
+        cur, _ = reply_log_probs(model, batch, with_entropy=False)
+    ref = cur + 0.3 * torch.randn(cur.shape, generator=torch.Generator().manual_seed(2))
+    batch["ref_log_probs"] = ref * batch["reply_mask"]
+    batch["advantage"] = torch.zeros(8)
+    out = GRPOObjective(cfg, model)(batch)
+    d = (ref - cur)[batch["reply_mask"]]
     expected_kl = (d.expm1() - d).mean()
-    assert float(out.kl_to_ref) == pytest.approx(float(expected_kl), rel=1e-4)
-    assert float(out.loss_kl_to_ref) == pytest.approx(0.5 * float(expected_kl), rel=1e-4)
+    assert float(out["kl_to_ref"]) == pytest.approx(float(expected_kl), rel=1e-4)
+    assert float(out["loss_kl_to_ref"]) == pytest.approx(0.5 * float(expected_kl), rel=1e-4)
 
 
 def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
-    from grpo.rollouts import apply_kl_reward_penalty
-
     samples = []
     for n_prompt, beh, ref in [(3, [-1.0, -2.0], [-1.5, -2.0]), (2, [-0.5], [-0.1])]:
         tokens = torch.arange(n_prompt + len(beh))
         samples.append(TensorDict({
-            "tokens": TensorDict({"response": tokens[n_prompt:], "full": tokens}),
-            "log_probs": TensorDict({"full": torch.tensor([0.0] * n_prompt + beh)}),
-            "ref_log_probs": TensorDict({"full": torch.tensor([0.0] * n_prompt + ref)}),
+            "tokens": TensorDict({"prompt": tokens[:n_prompt], "response": tokens[n_prompt:], "full": tokens}),
+            "log_probs": TensorDict({"response": torch.tensor(beh)}),
             ("next", "reward"): torch.ones(1, 1),
         }))
-    data = lazy_stack(samples)
-    apply_kl_reward_penalty(data, 0.2)
+    batch = to_training_batch(lazy_stack(samples), pad_token_id=0)
+    batch["ref_log_probs"] = torch.tensor([[-1.5, -2.0], [-0.1, 0.0]])
 
     def k3(beh, ref):
         d = torch.tensor(ref) - torch.tensor(beh)
         return float((d.expm1() - d).mean())
 
-    got = data.get(("next", "reward")).flatten().tolist()
-    assert got[0] == pytest.approx(1 - 0.2 * k3([-1.0, -2.0], [-1.5, -2.0]), abs=1e-6)
-    assert got[1] == pytest.approx(1 - 0.2 * k3([-0.5], [-0.1]), abs=1e-6)
+    kl = per_sample_kl_to_ref(batch).tolist()
+    assert kl[0] == pytest.approx(k3([-1.0, -2.0], [-1.5, -2.0]), abs=1e-6)
+    assert kl[1] == pytest.approx(k3([-0.5], [-0.1]), abs=1e-6)
+
+
+def test_replay_buffer_yields_each_sample_once_per_pass(setup):
+    cfg, _, _, _, batch = setup
+    cfg = cfg.copy()
+    cfg.train.gradient_accumulation_steps = 2  # micro-batches of 4
+    buffer = make_replay_buffer(cfg, batch)
+    seen = torch.cat([micro["input_ids"][:, -batch["reply_mask"].shape[1]:].sum(-1) for micro in buffer])
+    assert sorted(seen.tolist()) == sorted(batch["input_ids"][:, -batch["reply_mask"].shape[1]:].sum(-1).tolist())
