@@ -30,6 +30,8 @@ def validate_config(cfg) -> None:
     need(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1.")
     need(0 <= t.clip_epsilon_low < 1 and t.clip_epsilon_high >= 0, "train.clip_epsilon_low must be in [0, 1) and "
          "train.clip_epsilon_high >= 0 (e.g. 0.2 and 0.28).")
+    need(t.inference_is_cap is None or t.inference_is_cap >= 1, f"train.inference_is_cap={t.inference_is_cap} must be "
+         ">= 1 (the largest weight a token may get) or null (off).")
     need(t.aggregation in ("token_mean", "prompt_mean"), f"train.aggregation={t.aggregation!r}; use token_mean or prompt_mean.")
     need(cfg.inference_model.backend in ("transformers", "vllm"), f"inference_model.backend="
          f"{cfg.inference_model.backend!r}; use transformers or vllm.")

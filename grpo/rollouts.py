@@ -69,12 +69,12 @@ def trim_padding(batch: TensorDict) -> TensorDict:
 
 
 @torch.no_grad()
-def score_reference(batch: TensorDict, ref_model, device: torch.device, micro_batch: int) -> torch.Tensor:
-    """``[S, R]`` reference log-probs of the replies, in micro-batches of similar cost to training's."""
+def score_replies(batch: TensorDict, model, device: torch.device, micro_batch: int) -> torch.Tensor:
+    """``[S, R]`` log-probs ``model`` gives the replies, in micro-batches of similar cost to training's."""
     chunks = []
     for start in range(0, batch.batch_size[0], micro_batch):
         part = trim_padding(batch[start:start + micro_batch]).to(device)
-        lp, _ = reply_log_probs(ref_model, part, with_entropy=False)
+        lp, _ = reply_log_probs(model, part, with_entropy=False)
         lp = torch.nn.functional.pad(lp.float().cpu(), (0, batch["reply_mask"].shape[1] - lp.shape[1]))
         chunks.append(lp)
     return torch.cat(chunks) * batch["reply_mask"]
@@ -113,8 +113,14 @@ def prompt_group_ids(batch: TensorDict) -> torch.Tensor:
 
 
 def prepare_rollouts(data: TensorDictBase, *, pad_token_id: int, ref_model, ref_device, micro_batch: int,
-                     kl_to_ref_coeff: float, kl_in_reward: bool) -> tuple[TensorDict, dict]:
-    """The collected rollouts as a dense training batch with advantages, plus statistics to log."""
+                     kl_to_ref_coeff: float, kl_in_reward: bool, policy_model=None, policy_device=None
+                     ) -> tuple[TensorDict, dict]:
+    """The collected rollouts as a dense training batch with advantages, plus statistics to log.
+
+    With ``policy_model`` (truncated IS on), the trainer's own log-probs of the replies at the
+    current weights are stored as ``trainer_log_probs``: the loss clips against them and weights
+    each token by the (truncated) trainer/sampler ratio.
+    """
     batch = to_training_batch(data, pad_token_id)
     stats = {
         "reward": batch["reward"].mean().item(),
@@ -122,11 +128,15 @@ def prepare_rollouts(data: TensorDictBase, *, pad_token_id: int, ref_model, ref_
         "response_length": batch["reply_length"].float().mean().item(),
     }
     if ref_model is not None:
-        batch["ref_log_probs"] = score_reference(batch, ref_model, ref_device, micro_batch)
+        batch["ref_log_probs"] = score_replies(batch, ref_model, ref_device, micro_batch)
         kl = per_sample_kl_to_ref(batch)
         stats["kl_to_ref"] = kl.mean().item()
         if kl_in_reward:
             batch["reward"] = batch["reward"] - kl_to_ref_coeff * kl
+    if policy_model is not None:
+        batch["trainer_log_probs"] = score_replies(batch, policy_model, policy_device, micro_batch)
+        gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
+        stats["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
     batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch))
     stats |= {"advantage_std": batch["advantage"].std().item(), "advantage_mean": batch["advantage"].mean().item()}
     return batch, stats

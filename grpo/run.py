@@ -127,7 +127,9 @@ class TrainingRun:
         batch, rollout_stats = prepare_rollouts(
             rollouts, pad_token_id=self.tokenizer.pad_token_id, ref_model=self.ref_model, ref_device=self.ref_device,
             micro_batch=micro, kl_to_ref_coeff=self.cfg.train.kl_to_ref_coeff,
-            kl_in_reward=not self.cfg.train.kl_coef_in_loss)
+            kl_in_reward=not self.cfg.train.kl_coef_in_loss,
+            policy_model=self.policy_model if self.cfg.train.inference_is_cap is not None else None,
+            policy_device=self.train_device)
         return batch, stats | rollout_stats | {"reference_s": time.perf_counter() - t0}
 
     def optimize(self, samples) -> dict:

@@ -41,6 +41,7 @@ class GRPOObjective:
         self.kl_to_inference_coeff = t.kl_to_inference_coeff
         self.entropy_coeff = t.entropy_coeff
         self.aggregation = t.aggregation
+        self.is_cap = t.inference_is_cap
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         per_token = per_token * mask
@@ -50,13 +51,22 @@ class GRPOObjective:
 
     def __call__(self, batch) -> dict:
         cur, entropy = reply_log_probs(self.model, batch, with_entropy=True, entropy_grad=self.entropy_coeff != 0)
-        old = batch["behaviour_log_probs"]
-        mask = batch["reply_mask"] & old.isfinite()
+        sampler = batch["behaviour_log_probs"]
+        mask = batch["reply_mask"] & sampler.isfinite()
         n_tokens = mask.sum().clamp_min(1)
+        # The PPO ratio is taken against the sampler's log-probs, or, with truncated IS, against the
+        # trainer's own at the start of the step; each token is then weighted by
+        # min(pi_trainer_old / pi_sampler, cap), which corrects engine mismatch and staleness.
+        old, is_weight = sampler, None
+        if self.is_cap is not None and "trainer_log_probs" in batch.keys():
+            old = batch["trainer_log_probs"]
+            is_weight = torch.where(mask, old - sampler, 0.0).exp().clamp(max=self.is_cap)
         log_weight = torch.where(mask, cur - old, 0.0)
         advantage = batch["advantage"].to(cur.dtype).unsqueeze(-1)
         clipped_log_weight = log_weight.clamp(*self.log_clip)
         gain = torch.minimum(log_weight.exp() * advantage, clipped_log_weight.exp() * advantage)
+        if is_weight is not None:
+            gain = gain * is_weight
         out = {
             "loss_objective": self._aggregate(-gain, mask),
             "loss_entropy": -self._aggregate(entropy, mask),
@@ -67,6 +77,9 @@ class GRPOObjective:
             out["clip_fraction"] = ((clipped_log_weight != log_weight) & mask).sum() / n_tokens
             out["ESS"] = (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / n_tokens
             out["kl_approx"] = -log_weight.sum() / n_tokens
+            if is_weight is not None:
+                out["is_weight"] = (is_weight * mask).sum() / n_tokens
+                out["is_truncated_fraction"] = ((is_weight >= self.is_cap) & mask).sum() / n_tokens
         for name, coeff, other in (("kl_to_ref", self.kl_to_ref_coeff, "ref_log_probs"),
                                    ("kl_to_inference", self.kl_to_inference_coeff, "behaviour_log_probs")):
             if coeff is None or other not in batch.keys():
@@ -124,6 +137,7 @@ def autocast_context(cfg, device: torch.device):
 LOGGED_LOSS_FIELDS = {
     "loss_objective": "loss_objective", "clip_fraction": "clip_fraction", "ESS": "ess",
     "kl_approx": "kl_approx", "kl_to_inference": "kl_to_inference", "loss_kl_to_ref": "loss_kl_to_ref",
+    "is_weight": "is_weight_mean", "is_truncated_fraction": "is_truncated_fraction",
 }
 
 

@@ -32,7 +32,7 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
     # Weights move every optimiser step and no lag is allowed: batches queued before a push
     # must be dropped, and the workers must see every new version to produce usable data.
     proc = run_async(tmp_path, ["train.total_steps=6", "train.weight_update_frequency=1", "train.max_policy_lag=0",
-                                "train.buffer_size=3"])
+                                "train.buffer_size=3", "train.inference_is_cap=2.0"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -43,6 +43,8 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
     assert versions == sorted(versions) and versions[-1] >= 4, versions
     # each push is checked on the worker: its generating model holds exactly the trainer's weights
     assert rows[-1]["weight_pushes_verified"] >= 4 and rows[-1]["weight_pushes_mismatched"] == 0
+    # truncated IS ran: token weights are logged and none exceeds the cap
+    assert all(0 < r["is_weight_mean"] <= 2.0 for r in rows)
 
 
 def descends_from(pid: int, ancestor: int) -> bool:

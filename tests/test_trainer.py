@@ -229,3 +229,46 @@ def test_replay_buffer_yields_each_sample_once_per_pass(setup):
     buffer = make_replay_buffer(cfg, batch)
     seen = torch.cat([micro["input_ids"][:, -batch["reply_mask"].shape[1]:].sum(-1) for micro in buffer])
     assert sorted(seen.tolist()) == sorted(batch["input_ids"][:, -batch["reply_mask"].shape[1]:].sum(-1).tolist())
+
+
+def test_truncated_is_clips_against_trainer_and_weights_by_capped_ratio(setup):
+    """loss = -mean_tokens min(r A, clip(r) A) * min(pi_trainer_old / pi_sampler, cap), r = pi / pi_trainer_old."""
+    cfg, _, model, _, batch = setup
+    batch = batch.clone()
+    cfg = cfg.copy()
+    cfg.train.inference_is_cap = 1.5
+    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
+    with torch.no_grad():
+        cur, _ = reply_log_probs(model, batch, with_entropy=False)
+    batch["advantage"] = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
+    batch["trainer_log_probs"] = _perturbed_old_log_probs(batch, seed=3, scale=0.6)
+    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch, seed=4, scale=1.6)
+    terms, capped, count = [], 0, 0
+    for i in range(8):
+        n = int(batch["reply_length"][i])
+        ratio = (cur[i, :n] - batch["trainer_log_probs"][i, :n]).exp()
+        weight = (batch["trainer_log_probs"][i, :n] - batch["behaviour_log_probs"][i, :n]).exp()
+        a = batch["advantage"][i]
+        gain = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
+        terms.append(gain * weight.clamp(max=1.5))
+        capped += int((weight >= 1.5).sum())
+        count += n
+    out = GRPOObjective(cfg, model)(batch)
+    assert 0 < capped < count, "the test needs some capped and some uncapped weights"
+    assert float(out["loss_objective"]) == pytest.approx(float(-torch.cat(terms).sum() / count), rel=1e-4, abs=1e-6)
+    assert float(out["is_truncated_fraction"]) == pytest.approx(capped / count, abs=1e-6)
+    # off: the same batch is clipped against the sampler's log-probs, with no weights
+    cfg.train.inference_is_cap = None
+    assert "is_weight" not in GRPOObjective(cfg, model)(batch)
+
+
+def test_truncated_is_scores_the_trainer_log_probs_in_prepare(setup):
+    cfg, tok, model, rollouts, _ = setup
+    batch, stats = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, ref_model=None, ref_device=None,
+                                    micro_batch=3, kl_to_ref_coeff=0.0, kl_in_reward=False,
+                                    policy_model=model, policy_device=torch.device("cpu"))
+    # same weights as the sampler: the trainer's log-probs equal the sampler's
+    mask = batch["reply_mask"]
+    torch.testing.assert_close(batch["trainer_log_probs"] * mask, batch["behaviour_log_probs"] * mask,
+                               atol=1e-4, rtol=1e-4)
+    assert stats["trainer_sampler_log_ratio_abs"] < 1e-4
