@@ -116,8 +116,11 @@ class GeneratingWrapper(TransformersWrapper):
             tokens = pad_sequence(tokens, padding_value=pad_val, batch_first=True, padding_side="left")
             logits = pad_sequence(logits, padding_value=0.0, batch_first=True, padding_side="left")
         valid = tokens != pad_val
-        log_probs = torch.log_softmax(logits.float(), dim=-1)
-        log_probs = log_probs.gather(-1, tokens.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        index = tokens.clamp_min(0).unsqueeze(-1)
+        # one sample at a time: a [T, V] float32 slice instead of a [B, T, V] log-softmax (on a
+        # 151k vocabulary that whole tensor was the run's peak GPU memory)
+        log_probs = torch.stack([row.gather(-1, idx).squeeze(-1).float() - row.float().logsumexp(-1)
+                                 for row, idx in zip(logits, index)])
         return torch.where(valid, log_probs, 0.0), logits
 
 
