@@ -52,8 +52,16 @@ def weights_checksum(weights: dict) -> float:
 
 
 def inference_state_dict(policy_model) -> dict:
-    """The weights an inference engine needs: HF parameter names, LoRA adapters merged in."""
-    return _merged(policy_model).state_dict()
+    """The weights an inference engine needs: HF parameter names, LoRA adapters merged in.
+
+    Under LoRA only the adapted weights are computed afresh (``W + delta``); the rest are the
+    policy's own tensors, not a copy of the whole model per push.
+    """
+    if hasattr(policy_model, "merge_and_unload"):
+        from grpo.vllm_backend import merged_state_dict
+
+        return merged_state_dict(policy_model)
+    return policy_model.state_dict()
 
 
 def _merged(policy_model):

@@ -43,8 +43,13 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else getattr(torch, name)
 
 
-def load_causal_lm(name: str, *, dtype: torch.dtype, device: torch.device, shard_over: list[int] | None = None):
-    """A causal LM on ``device``, or split layer-wise over the GPUs ``shard_over`` (HF device_map)."""
+def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.device,
+                   shard_over: list[int] | None = None):
+    """A causal LM on ``device``, or split layer-wise over the GPUs ``shard_over`` (HF device_map).
+
+    Its embeddings grow to the tokenizer when ``load_tokenizer`` added a pad token, so the
+    policy, the reference and every inference copy have the same parameter shapes.
+    """
     _check_model_name(name)
     kwargs = {}
     if shard_over and len(shard_over) > 1:
@@ -56,15 +61,15 @@ def load_causal_lm(name: str, *, dtype: torch.dtype, device: torch.device, shard
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
     except OSError as err:
         raise ModelLoadError(f"model.name={name!r}: cannot load the model ({err}). Offline? Pass a local path.") from err
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
     return model if kwargs else model.to(device)
 
 
 def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):
     """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing."""
-    model = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.train_model.dtype, device), device=device,
+    model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.train_model.dtype, device), device=device,
                            shard_over=shard_over)
-    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-        model.resize_token_embeddings(len(tokenizer))
     if cfg.train_model.lora.enabled:
         from peft import LoraConfig, get_peft_model
 
@@ -88,9 +93,7 @@ def load_reference_model(cfg, tokenizer, device: torch.device):
     Loading rather than copying the policy keeps it the *initial* model on resume, and works
     when the policy is split over several GPUs.
     """
-    ref = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device)
-    if len(tokenizer) > ref.get_input_embeddings().num_embeddings:
-        ref.resize_token_embeddings(len(tokenizer))
+    ref = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device)
     return ref.eval().requires_grad_(False)
 
 

@@ -30,7 +30,7 @@ class RolloutWorker:
 
         from grpo.envs import make_collector, make_env
         from grpo.inference import make_inference
-        from grpo.models import load_causal_lm, load_tokenizer, torch_dtype
+        from grpo.models import load_causal_lm, load_tokenizer
         from grpo.setup import seed_everything
 
         set_list_to_stack(True).set()
@@ -39,7 +39,7 @@ class RolloutWorker:
         self.worker_id = worker_id
         torch_device = torch.device(device)
         tokenizer = load_tokenizer(cfg.model.name)
-        model = load_causal_lm(cfg.model.name, dtype=torch_dtype(cfg.inference_model.dtype, torch_device),
+        model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.inference_model.dtype, torch_device),
                                device=torch_device).eval().requires_grad_(False)
         self.inference = make_inference(cfg, model, tokenizer, torch_device)
         env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)

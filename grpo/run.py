@@ -24,7 +24,8 @@ from grpo.logger import RunLogger
 from grpo.models import load_policy_model, load_reference_model, load_tokenizer
 from grpo.rollouts import prepare_rollouts
 from grpo.setup import REPO_ROOT, StopFlag, StopRequested, resolve_local_paths, resolved_config, seed_everything
-from grpo.trainer import GRPOObjective, make_optimizer, make_replay_buffer, make_scheduler, optimize_on_batch
+from grpo.trainer import (GRPOObjective, make_optimizer, make_replay_buffer, make_scheduler, micro_batch_size,
+                          optimize_on_batch)
 
 
 class TrainingRun:
@@ -123,10 +124,9 @@ class TrainingRun:
             stats = {"prompt_indices": sorted({int(i) for i in rollouts["row_index"].flatten().tolist()})}
         else:
             stats = {}
-        micro = self.cfg.train.optim_batch_size // self.cfg.train.gradient_accumulation_steps
         batch, rollout_stats = prepare_rollouts(
             rollouts, pad_token_id=self.tokenizer.pad_token_id, ref_model=self.ref_model, ref_device=self.ref_device,
-            micro_batch=micro, kl_to_ref_coeff=self.cfg.train.kl_to_ref_coeff,
+            micro_batch=micro_batch_size(self.cfg), kl_to_ref_coeff=self.cfg.train.kl_to_ref_coeff,
             kl_in_reward=not self.cfg.train.kl_coef_in_loss,
             policy_model=self.policy_model if self.cfg.train.inference_is_cap is not None else None,
             policy_device=self.train_device)

@@ -119,12 +119,17 @@ def make_scheduler(cfg, optimizer, total_optim_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def micro_batch_size(cfg) -> int:
+    """Samples per forward/backward: one optimiser step's minibatch split over its accumulation steps."""
+    return cfg.train.optim_batch_size // cfg.train.gradient_accumulation_steps
+
+
 def make_replay_buffer(cfg, samples) -> ReplayBuffer:
     """Over one dense batch (advantages already set), used in place: shuffled micro-batches, each sample once per pass."""
     return ReplayBuffer(
         storage=TensorStorage(samples),
         sampler=SamplerWithoutReplacement(),
-        batch_size=cfg.train.optim_batch_size // cfg.train.gradient_accumulation_steps,
+        batch_size=micro_batch_size(cfg),
     )
 
 
