@@ -137,6 +137,8 @@ def parse_args(argv=None):
     p.add_argument("--random-init-shape", choices=sorted(RANDOM_INIT_SHAPES), default=None,
                    help="train a random-init model of this shape (with --model's tokenizer, padded to its vocab)")
     p.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
+    p.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra Hydra override for our side (repeatable), e.g. train_model.compile=true")
     p.add_argument("--eval-every", type=int, default=10, help="GRPO steps between evals (0: start and end only)")
     p.add_argument("--eval-problems", type=int, default=256, help="held-out problems per eval")
     p.add_argument("--eval-batch-size", type=int, default=128, help="prompts generated together in eval")
@@ -172,6 +174,7 @@ def build_spec(args, workdir: Path) -> dict:
         "dtype": dtype, "gradient_checkpointing": args.gradient_checkpointing,
         "random_init_shape": args.random_init_shape, "eval_every": args.eval_every,
         "eval_problems": args.eval_problems, "eval_batch_size": args.eval_batch_size, "threads": args.threads,
+        "ours_overrides": list(args.ours_override),
         "workdir": str(workdir),
     }
 
@@ -470,7 +473,7 @@ def ours_command(spec: dict) -> list[str]:
         f"train_model.dtype={s['dtype']}", f"ref_model.dtype={s['dtype']}", f"inference_model.dtype={s['dtype']}",
         f"train_model.gradient_checkpointing={str(s['gradient_checkpointing']).lower()}",
     ]
-    return [sys.executable, "grpo/grpo.py", "--config-name", "grpo_tiny", *over]
+    return [sys.executable, "grpo/grpo.py", "--config-name", "grpo_tiny", *over, *s.get("ours_overrides", [])]
 
 
 def child_env(spec: dict, peak_file: Path) -> dict:

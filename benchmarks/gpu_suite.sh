@@ -2,6 +2,8 @@
 # The GPU measurements quoted in docs and closing notes, on the lent 2-GPU machine (nvidia-h200-x2;
 # no vLLM there, so generation uses transformers). Each part runs on its own; pick with PARTS.
 #   trl       this project vs TRL's GRPOTrainer, random-init Qwen2.5-0.5B shape, one GPU (issue 10)
+#   trl_compiled  the same with train_model.compile=true on our side
+#   generation     rollout batches: eager decoding vs the compiled static-cache decode step, 0.5B shape
 #   syncasync sync vs async, tiny config, train on GPU 0 / generation on GPU 1 (issue 4)
 #   syncasync_05b  the same on a random-init Qwen2.5-0.5B shape, 64 new tokens
 #   sharded   the training model split over both GPUs (device_map), 0.5B shape (issue 3)
@@ -12,15 +14,23 @@ PARTS=${PARTS:-"trl syncasync sharded"}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi -L
-trl_args=(--device cuda --random-init-shape qwen2.5-0.5b --steps 5 --max-new-tokens 64 --grad-accum 4
+trl_args=(--device cuda --random-init-shape qwen2.5-0.5b --steps 10 --max-new-tokens 64 --grad-accum 4
           --eval-problems 32 --eval-every 0)
 
 for part in $PARTS; do
   start=$(date +%s)
   case $part in
     trl)
-      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_vs_trl.py "${trl_args[@]}" --out "$OUT/trl.json" --workdir "$OUT/trl_work" \
+      CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/bench_vs_trl.py "${trl_args[@]}" --out "$OUT/trl.json" --workdir "$OUT/trl_work" \
         > "$OUT/trl.log" 2>&1; echo "== trl rc=$?"; grep -v "^\[" "$OUT/trl.log" | tail -28 ;;
+    trl_compiled)
+      CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/bench_vs_trl.py "${trl_args[@]}" --ours-override train_model.compile=true \
+        --out "$OUT/trl_compiled.json" --workdir "$OUT/trl_compiled_work" > "$OUT/trl_compiled.log" 2>&1
+      echo "== trl_compiled rc=$?"; grep -v "^\[" "$OUT/trl_compiled.log" | tail -28 ;;
+    generation)
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_generation.py --device cuda --random-init-shape qwen2.5-0.5b \
+        --max-new-tokens 64 --calls 6 --variants eager,static512 --out "$OUT/generation.json" > "$OUT/generation.log" 2>&1
+      echo "== generation rc=$?"; grep -E "^ *(eager|static)" "$OUT/generation.log" ;;
     syncasync)
       timeout 220 python3 benchmarks/bench_sync_async.py --steps 6 --warmup 1 --out "$OUT/sync_async.json" -- \
         allow_cpu=false "train_model.devices=[0]" "inference_model.devices=[1]" eval.num_problems=16 \

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from grpo.models import generate_kwargs, make_transformers_policy, torch_dtype
+from grpo.models import compiled_decode_kwargs, generate_kwargs, make_transformers_policy, torch_dtype
 
 
 class TransformersInference:
@@ -25,10 +25,11 @@ class TransformersInference:
             self.model = policy_model
         else:
             self.model = copy.deepcopy(_merged(policy_model)).to(device=device, dtype=dtype).eval().requires_grad_(False)
-        self.policy = make_transformers_policy(
-            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens))
-        self.greedy_policy = make_transformers_policy(
-            self.model, tokenizer, gen_kwargs=generate_kwargs(cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens))
+        decode = compiled_decode_kwargs(cfg, self.model)
+        self.policy = make_transformers_policy(self.model, tokenizer, gen_kwargs={
+            **generate_kwargs(cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens), **decode})
+        self.greedy_policy = make_transformers_policy(self.model, tokenizer, gen_kwargs={
+            **generate_kwargs(cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens), **decode})
         self.version = 0
 
     @torch.no_grad()

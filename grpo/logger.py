@@ -7,8 +7,11 @@ row up to its last step. wandb runs offline when no API key is configured;
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -62,6 +65,26 @@ def _start_wandb(cfg, run_dir: Path, resolved_config: dict, run_id: str | None):
 def _has_netrc_key() -> bool:
     netrc = Path.home() / ".netrc"
     return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+@contextlib.contextmanager
+def profile_to(run_dir: Path, step: int):
+    """Records what runs inside with ``torch.profiler``, then writes ``profile_step<N>.txt`` (ops by
+    self time, device time first on a GPU) and ``profile_step<N>.json.gz`` (a Chrome/Perfetto trace)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = torch.cuda.is_available() and torch.cuda.is_initialized()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        yield
+    stem = Path(run_dir) / f"profile_step{step}"
+    sort_by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
+    stem.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=70))
+    prof.export_chrome_trace(str(stem.with_suffix(".json")))
+    with open(stem.with_suffix(".json"), "rb") as src, gzip.open(f"{stem}.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    stem.with_suffix(".json").unlink()
 
 
 def read_metrics(path: Path) -> list[dict]:

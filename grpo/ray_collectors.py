@@ -30,7 +30,7 @@ class RolloutWorker:
 
         from grpo.envs import make_collector, make_env
         from grpo.inference import make_inference
-        from grpo.models import load_causal_lm, load_tokenizer
+        from grpo.models import configure_attention_kernels, load_causal_lm, load_tokenizer
         from grpo.setup import seed_everything
 
         set_list_to_stack(True).set()
@@ -38,6 +38,7 @@ class RolloutWorker:
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.worker_id = worker_id
         torch_device = torch.device(device)
+        configure_attention_kernels(cfg)
         tokenizer = load_tokenizer(cfg.model.name)
         model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.inference_model.dtype, torch_device),
                                device=torch_device).eval().requires_grad_(False)

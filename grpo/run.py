@@ -20,8 +20,8 @@ from grpo.devices import allocate_devices
 from grpo.envs import EVAL_FIELDS, TASK_ENVS, data_position, make_env, skip_to_position
 from grpo.evaluation import evaluate
 from grpo.inference import make_inference
-from grpo.logger import RunLogger
-from grpo.models import load_policy_model, load_reference_model, load_tokenizer
+from grpo.logger import RunLogger, profile_to
+from grpo.models import configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer
 from grpo.rollouts import prepare_rollouts
 from grpo.setup import REPO_ROOT, StopFlag, StopRequested, resolve_local_paths, resolved_config, seed_everything
 from grpo.trainer import (GRPOObjective, make_optimizer, make_replay_buffer, make_scheduler, micro_batch_size,
@@ -54,6 +54,7 @@ class TrainingRun:
             print(f"resuming from {ckpt_path} (step {self.resume_payload['step']}) into {self.run_dir}", flush=True)
         self.config = resolved_config(cfg) | {"device_allocation": self.alloc.as_dict()}
 
+        configure_attention_kernels(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name)
         self.policy_model = load_policy_model(cfg, self.tokenizer, self.train_device, shard_over=self.alloc.train)
         self.ref_model = load_reference_model(cfg, self.tokenizer, self.ref_device) if cfg.train.use_kl_to_ref else None
@@ -113,7 +114,8 @@ class TrainingRun:
                    disable=not self.cfg.logging.progress_bar, dynamic_ncols=True)
         for step in bar:
             self.step = step
-            yield step
+            with profile_to(self.run_dir, step) if step == self.cfg.logging.profile_step else contextlib.nullcontext():
+                yield step
             bar.set_postfix(self._postfix)
             self.stop_flag.raise_if_set()  # at a step boundary, after that step's eval and checkpoint
 

@@ -21,6 +21,14 @@ def ray_pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 
+def compose_config(config_name: str = "grpo_tiny", overrides: list[str] | None = None):
+    """The config as the scripts see it, for tests and benchmarks (Hydra compose, no run dir)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "config"), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides or [])
+
+
 def resolve_local_paths(cfg) -> None:
     """Relative ``model.name`` / ``env.dataset`` that do not exist from the working directory are
     taken from the repo root, so the tiny configs run from anywhere."""

@@ -14,7 +14,7 @@ from collections import defaultdict
 import torch
 from torchrl.data import ReplayBuffer, SamplerWithoutReplacement, TensorStorage
 
-from grpo.models import reply_log_probs
+from grpo.models import reply_log_probs, token_log_probs
 from grpo.rollouts import trim_padding
 
 
@@ -42,6 +42,10 @@ class GRPOObjective:
         self.entropy_coeff = t.entropy_coeff
         self.aggregation = t.aggregation
         self.is_cap = t.inference_is_cap
+        # Eager forward + backward of a small model is bound by the CPU launching ~2000 kernels per
+        # micro-batch, not by the GPU. Compiled, the same maths runs as a few fused kernels.
+        # dynamic=True: micro-batches are trimmed to their own widths, so one graph serves them all.
+        self.forward = torch.compile(token_log_probs, dynamic=True) if cfg.train_model.compile else token_log_probs
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         per_token = per_token * mask
@@ -50,7 +54,8 @@ class GRPOObjective:
         return per_token.sum() / mask.sum().clamp_min(1)
 
     def __call__(self, batch) -> dict:
-        cur, entropy = reply_log_probs(self.model, batch, with_entropy=True, entropy_grad=self.entropy_coeff != 0)
+        cur, entropy = reply_log_probs(self.model, batch, with_entropy=True, entropy_grad=self.entropy_coeff != 0,
+                                       forward=self.forward)
         sampler = batch["behaviour_log_probs"]
         mask = batch["reply_mask"] & sampler.isfinite()
         n_tokens = mask.sum().clamp_min(1)
@@ -133,8 +138,11 @@ def make_replay_buffer(cfg, samples) -> ReplayBuffer:
     )
 
 
-def autocast_context(cfg, device: torch.device):
-    if device.type == "cuda" and cfg.train_model.mixed_precision:
+def autocast_context(cfg, device: torch.device, model):
+    """bf16 autocast for float32 weights on a GPU. Weights already in bf16 gain nothing from it but
+    a dispatch per op: about 10% of the training time of a 0.5B model, measured on an H200."""
+    weights_fp32 = next(model.parameters()).dtype == torch.float32
+    if device.type == "cuda" and cfg.train_model.mixed_precision and weights_fp32:
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -155,7 +163,7 @@ def optimize_on_batch(buffer, loss_fn, optimizer, scheduler, scaler, cfg, device
             micro = trim_padding(micro)
             if device.type != "cpu":
                 micro = micro.to(device, non_blocking=True)
-            with autocast_context(cfg, device):
+            with autocast_context(cfg, device, model):
                 out = loss_fn(micro)
                 loss = total_loss(out, cfg) / accum
             scaler.scale(loss).backward()

@@ -27,8 +27,6 @@ def tiny_data_dir() -> Path:
 
 def compose(config_name: str = "grpo_tiny", overrides: list[str] | None = None):
     """The config as the scripts see it (Hydra compose, no run dir)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from grpo.setup import compose_config
 
-    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=overrides or [])
+    return compose_config(config_name, overrides)
