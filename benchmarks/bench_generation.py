@@ -10,7 +10,8 @@ rollout config's sampling settings; the variants differ only in the ``generate``
 widths). It prints, per variant, the first call (which pays any compile) and the mean of the others:
 seconds per batch, generated tokens/s, and the time inside ``model.generate`` alone (the rest is
 TorchRL's history-mode round trip: chat template, tokenising, unpadding, log-probs), and how far
-the sampler's log-probs are from an eager teacher-forced forward of the same weights.
+the sampler's log-probs are from an eager teacher-forced forward of the same weights, also after
+an in-place update of the weights (what the optimiser does between rollouts).
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def decode_options(variant: str) -> dict:
     raise SystemExit(f"unknown variant {variant!r}")
 
 
+def sampler_trainer_gap(model, rollouts, tokenizer, device):
+    """Per reply token: the sampler's log-prob minus an eager teacher-forced forward's."""
+    import torch
+
+    from grpo.models import reply_log_probs
+    from grpo.rollouts import to_training_batch
+
+    dense = to_training_batch(rollouts, pad_token_id=tokenizer.pad_token_id).to(device)
+    with torch.no_grad():
+        trainer_lp, _ = reply_log_probs(model, dense, with_entropy=False)
+    return (dense["behaviour_log_probs"] - trainer_lp)[dense["reply_mask"]]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
@@ -62,8 +76,7 @@ def main(argv=None) -> None:
 
     from grpo.envs import make_collector, make_env
     from grpo.models import (configure_attention_kernels, generate_kwargs, load_causal_lm, load_tokenizer,
-                             make_transformers_policy, reply_log_probs)
-    from grpo.rollouts import to_training_batch
+                             make_transformers_policy)
     from grpo.setup import compose_config, resolve_local_paths
 
     set_list_to_stack(True).set()
@@ -118,10 +131,12 @@ def main(argv=None) -> None:
             tokens.append(sum(int(r["tokens", "response"].shape[-1]) for r in rollouts.unbind(0)))
         # the sampler's log-probs against an eager teacher-forced forward of the same weights: the
         # compiled decode step must sample from the model the trainer scores
-        dense = to_training_batch(rollouts, pad_token_id=tok.pad_token_id).to(device)
+        gap = sampler_trainer_gap(model, rollouts, tok, device)
+        # the optimiser updates weights in place; a compiled decode step must see the new values
         with torch.no_grad():
-            trainer_lp, _ = reply_log_probs(model, dense, with_entropy=False)
-        gap = (dense["behaviour_log_probs"] - trainer_lp)[dense["reply_mask"]]
+            for param in model.parameters():
+                param.add_(torch.randn_like(param) * 0.1 * param.float().std().to(param.dtype))
+        gap_after_update = sampler_trainer_gap(model, next(iterator).reshape(-1), tok, device)
         rest = slice(1, None) if args.calls > 1 else slice(None)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         row = {
@@ -130,12 +145,14 @@ def main(argv=None) -> None:
             "tokens_per_s": sum(tokens[rest]) / sum(walls[rest]),
             "per_call_s": [round(w, 3) for w in walls], "tokens_per_call": tokens,
             "logprob_gap_mean_abs": gap.abs().mean().item(), "kl_sampler_trainer": (gap.expm1() - gap).mean().item(),
+            "logprob_gap_after_update": gap_after_update.abs().mean().item(),
             "peak_cuda_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
         }
         results["variants"][variant] = row
         print(f"{variant:>12}: first {row['first_call_s']:.2f} s, then {row['batch_s']:.3f} s/batch "
               f"(generate {row['generate_s']:.3f} s), {row['tokens_per_s']:.0f} tokens/s; calls {row['per_call_s']}; "
-              f"|sampler - trainer| log-prob {row['logprob_gap_mean_abs']:.4f}",
+              f"|sampler - trainer| log-prob {row['logprob_gap_mean_abs']:.4f}, "
+              f"after an in-place weight update {row['logprob_gap_after_update']:.4f}",
               flush=True)
     base = results["variants"].get("eager")
     if base:

@@ -42,4 +42,9 @@ def validate_config(cfg) -> None:
     need(t.max_policy_lag >= t.weight_update_frequency - 1, f"train.max_policy_lag={t.max_policy_lag} is below "
          f"train.weight_update_frequency - 1 = {t.weight_update_frequency - 1}: every async batch would be too stale; "
          f"raise train.max_policy_lag to at least {t.weight_update_frequency - 1}.")
+    im = cfg.inference_model
+    for key, value in (("inference_model.max_new_tokens", im.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        need(value < im.max_model_len, f"{key}={value} leaves no room for the prompt in inference_model.max_model_len="
+             f"{im.max_model_len} (the context both engines and the compiled KV cache are sized for); raise "
+             f"inference_model.max_model_len to at least {value} plus the longest prompt.")
     need(cfg.eval.frequency >= 0, f"eval.frequency={cfg.eval.frequency} must be >= 0 (0 = only before and after).")

@@ -42,6 +42,7 @@ def test_every_key_has_a_comment(name):
     ("train.optim_batch_size=48", r"train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64"),
     ("env.task=mmlu", r"env.task='mmlu' is unknown"),
     ("inference_model.backend=sglang", r"inference_model.backend='sglang'"),
+    ("inference_model.max_new_tokens=600", r"inference_model.max_new_tokens=600 leaves no room.*max_model_len=512"),
 ])
 def test_bad_values_name_key_and_fix(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
