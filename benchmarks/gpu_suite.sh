@@ -17,16 +17,19 @@ nvidia-smi -L
 trl_args=(--device cuda --random-init-shape qwen2.5-0.5b --steps 10 --max-new-tokens 64 --grad-accum 4
           --eval-problems 32 --eval-every 0)
 
+# bench_vs_trl NAME TIMEOUT [extra args]: one GPU (TRL refuses two visible), results under $OUT/NAME*
+bench_vs_trl() {
+  local name=$1 limit=$2; shift 2
+  CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 benchmarks/bench_vs_trl.py "${trl_args[@]}" "$@" --out "$OUT/$name.json" \
+    --workdir "$OUT/${name}_work" > "$OUT/$name.log" 2>&1
+  echo "== $name rc=$?"; grep -v "^\[" "$OUT/$name.log" | tail -28
+}
+
 for part in $PARTS; do
   start=$(date +%s)
   case $part in
-    trl)
-      CUDA_VISIBLE_DEVICES=0 timeout 540 python3 benchmarks/bench_vs_trl.py "${trl_args[@]}" --out "$OUT/trl.json" --workdir "$OUT/trl_work" \
-        > "$OUT/trl.log" 2>&1; echo "== trl rc=$?"; grep -v "^\[" "$OUT/trl.log" | tail -28 ;;
-    trl_compiled)
-      CUDA_VISIBLE_DEVICES=0 timeout 560 python3 benchmarks/bench_vs_trl.py "${trl_args[@]}" --ours-override train_model.compile=true \
-        --out "$OUT/trl_compiled.json" --workdir "$OUT/trl_compiled_work" > "$OUT/trl_compiled.log" 2>&1
-      echo "== trl_compiled rc=$?"; grep -v "^\[" "$OUT/trl_compiled.log" | tail -28 ;;
+    trl) bench_vs_trl trl 540 ;;
+    trl_compiled) bench_vs_trl trl_compiled 560 --ours-override train_model.compile=true ;;
     generation)
       CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_generation.py --device cuda --random-init-shape qwen2.5-0.5b \
         --max-new-tokens 64 --calls 6 --variants eager,static512 --out "$OUT/generation.json" > "$OUT/generation.log" 2>&1

@@ -8,10 +8,8 @@ row up to its last step. wandb runs offline when no API key is configured;
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import os
-import shutil
 import warnings
 from pathlib import Path
 
@@ -81,10 +79,7 @@ def profile_to(run_dir: Path, step: int):
     stem = Path(run_dir) / f"profile_step{step}"
     sort_by = "self_cuda_time_total" if on_gpu else "self_cpu_time_total"
     stem.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=70))
-    prof.export_chrome_trace(str(stem.with_suffix(".json")))
-    with open(stem.with_suffix(".json"), "rb") as src, gzip.open(f"{stem}.json.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    stem.with_suffix(".json").unlink()
+    prof.export_chrome_trace(f"{stem}.json.gz")  # torch gzips a path ending in .gz
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -8,6 +8,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest
 from tensordict import set_list_to_stack
 
+from grpo.setup import compose_config as compose  # noqa: F401 - the tests import it from here
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = Path(os.environ.get("GRPO_TEST_MODEL", REPO / "assets" / "tiny-model"))
 TINY_DATA = Path(os.environ.get("GRPO_TEST_DATA", REPO / "data" / "gsm8k_tiny"))
@@ -23,10 +25,3 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_data_dir() -> Path:
     return TINY_DATA
-
-
-def compose(config_name: str = "grpo_tiny", overrides: list[str] | None = None):
-    """The config as the scripts see it (Hydra compose, no run dir)."""
-    from grpo.setup import compose_config
-
-    return compose_config(config_name, overrides)
