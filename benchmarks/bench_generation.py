@@ -56,12 +56,13 @@ def decode_options(variant: str) -> dict:
     raise SystemExit(f"unknown variant {variant!r}")
 
 
-def sampler_trainer_gap(model, rollouts, tokenizer, device) -> float:
+def sampler_trainer_gap(model, rollouts, tokenizer, device, stop_ids) -> float:
     """Mean |sampler's log-prob - an eager teacher-forced forward's| per reply token: the
     ``trainer_sampler_log_ratio_abs`` the training step logs with truncated IS on."""
     from grpo.rollouts import prepare_rollouts
 
-    _, stats = prepare_rollouts(rollouts, pad_token_id=tokenizer.pad_token_id, ref_model=None, ref_device=None,
+    _, stats = prepare_rollouts(rollouts, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_ids,
+                                ref_model=None, ref_device=None,
                                 micro_batch=rollouts.numel(), kl_to_ref_coeff=0.0, kl_in_reward=False,
                                 policy_model=model, policy_device=device)
     return stats["trainer_sampler_log_ratio_abs"]
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
 
     from grpo.envs import make_collector, make_env
     from grpo.models import (configure_attention_kernels, generate_kwargs, load_causal_lm, load_tokenizer,
-                             make_transformers_policy)
+                             make_transformers_policy, stop_token_ids)
     from grpo.setup import compose_config, resolve_local_paths
 
     set_list_to_stack(True).set()
@@ -94,6 +95,7 @@ def main(argv=None) -> None:
     tok = load_tokenizer(cfg.model.name)
     dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
     model = load_causal_lm(cfg.model.name, tok, dtype=dtype, device=device).eval()
+    stop_ids = stop_token_ids(tok, model.generation_config)
 
     inside = []
     original_generate = model.generate
@@ -115,7 +117,8 @@ def main(argv=None) -> None:
         torch.manual_seed(0)
         env = make_env(cfg, tok, split="train", repeats=args.repeats, num_envs=batch)
         policy = make_transformers_policy(model, tok, gen_kwargs={
-            **generate_kwargs(cfg, tok, greedy=False, max_new_tokens=args.max_new_tokens), **decode_options(variant)})
+            **generate_kwargs(cfg, tok, greedy=False, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids),
+            **decode_options(variant)})
         collector = make_collector(env, policy, batch)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -129,12 +132,12 @@ def main(argv=None) -> None:
             tokens.append(sum(int(r["tokens", "response"].shape[-1]) for r in rollouts.unbind(0)))
         # the sampler's log-probs against an eager teacher-forced forward of the same weights: the
         # compiled decode step must sample from the model the trainer scores
-        gap = sampler_trainer_gap(model, rollouts, tok, device)
+        gap = sampler_trainer_gap(model, rollouts, tok, device, stop_ids)
         # the optimiser updates weights in place; a compiled decode step must see the new values
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 0.1 * param.float().std().to(param.dtype))
-        gap_after_update = sampler_trainer_gap(model, next(iterator).reshape(-1), tok, device)
+        gap_after_update = sampler_trainer_gap(model, next(iterator).reshape(-1), tok, device, stop_ids)
         rest = slice(1, None) if args.calls > 1 else slice(None)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         row = {

@@ -78,6 +78,8 @@ REPO = Path(__file__).resolve().parents[1]
 RANDOM_INIT_SHAPES = {
     "qwen2.5-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                          intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen2.5-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),
     # a CPU smoke test of the same code path: Qwen's vocabulary, a few-MB body
     "tiny-wide-vocab": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                             intermediate_size=128, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6),

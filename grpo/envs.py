@@ -74,14 +74,15 @@ class GSM8KTaskEnv(DatasetChatEnv):
 
     def __init__(self, *, dataset: str, split: str, tokenizer, repeats: int, num_envs: int, seed: int,
                  shuffle: bool = True, correct_reward: float = 1.0, format_reward: float = 0.1,
-                 system_prompt: str | None = None):
+                 answer_extraction: str = "tag", system_prompt: str | None = None):
         super().__init__(
             dataset=dataset, split=split, name=self.hub_config, shuffle=shuffle, num_envs=num_envs,
             repeats=repeats, seed=seed, group_repeats=False, tokenizer=tokenizer, collate_fn=gsm8k_collate,
             input_mode="history", system_prompt=system_prompt,
         )
         self.append_transform(StepCounter(max_steps=1))
-        self.append_transform(GSM8KReward(tokenizer, correct_reward=correct_reward, format_reward=format_reward))
+        self.append_transform(GSM8KReward(tokenizer, correct_reward=correct_reward, format_reward=format_reward,
+                                          answer_extraction=answer_extraction))
 
     @staticmethod
     def _dataloader_factory(dataset, name, split, seed, batch_size_dl, shuffle, collate_fn):
@@ -127,7 +128,8 @@ class GSM8KTask:
     def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
         return GSM8KTaskEnv(dataset=cfg.env.dataset, split=split, tokenizer=tokenizer, repeats=repeats,
                             num_envs=num_envs, seed=cfg.seed, shuffle=shuffle, system_prompt=cfg.env.system_prompt,
-                            correct_reward=cfg.reward.correct, format_reward=cfg.reward.format)
+                            correct_reward=cfg.reward.correct, format_reward=cfg.reward.format,
+                            answer_extraction=cfg.reward.answer_extraction)
 
 
 TASK_ENVS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask}

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from grpo.models import compiled_decode_kwargs, generate_kwargs, make_transformers_policy, torch_dtype
+from grpo.models import compiled_decode_kwargs, generate_kwargs, make_transformers_policy, stop_token_ids, torch_dtype
 
 
 class TransformersInference:
@@ -15,7 +15,8 @@ class TransformersInference:
 
     When generation runs on the training device in the same dtype, it uses the training
     model object itself, so updated weights are seen at once and a push costs nothing.
-    Otherwise it holds its own copy on its device and a push copies the weights over.
+    Otherwise it holds its own copy on its device and a push copies the weights over: that is
+    the default on a GPU, where float32 master weights train and a bfloat16 copy generates.
     """
 
     def __init__(self, cfg, policy_model, tokenizer, device: torch.device):
@@ -26,10 +27,11 @@ class TransformersInference:
         else:
             self.model = copy.deepcopy(_merged(policy_model)).to(device=device, dtype=dtype).eval().requires_grad_(False)
         decode = compiled_decode_kwargs(cfg, self.model)
-        self.policy = make_transformers_policy(self.model, tokenizer, gen_kwargs={
-            **generate_kwargs(cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens), **decode})
-        self.greedy_policy = make_transformers_policy(self.model, tokenizer, gen_kwargs={
-            **generate_kwargs(cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens), **decode})
+        stop_ids = stop_token_ids(tokenizer, self.model.generation_config)
+        self.policy = make_transformers_policy(self.model, tokenizer, gen_kwargs={**generate_kwargs(
+            cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens, stop_ids=stop_ids), **decode})
+        self.greedy_policy = make_transformers_policy(self.model, tokenizer, gen_kwargs={**generate_kwargs(
+            cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens, stop_ids=stop_ids), **decode})
         self.version = 0
 
     @torch.no_grad()

@@ -79,7 +79,13 @@ def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.de
 
 
 def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):
-    """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing."""
+    """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing.
+
+    It stays in eval mode (no dropout: the ratio pi_theta / pi_old must be 1 before any update);
+    ``grpo.trainer.optimize_on_batch`` switches it to train mode only while it optimises, because
+    HF checkpoints activations only in train mode and, in train mode, ``generate`` drops its KV
+    cache (a one-GPU run generates with this very object: it crashed, on CPU it produced garbage).
+    """
     model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.train_model.dtype, device), device=device,
                            shard_over=shard_over)
     if cfg.train_model.lora.enabled:
@@ -92,11 +98,7 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
         ))
     if cfg.train_model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        model.train()  # HF only checkpoints in train mode; Qwen2 has no dropout, so outputs are unchanged
-    else:
-        model.eval()  # no dropout: the ratio pi_theta / pi_old must be 1 before any update
-    return model
+    return model.eval()
 
 
 def load_reference_model(cfg, tokenizer, device: torch.device):
@@ -139,16 +141,32 @@ class GeneratingWrapper(TransformersWrapper):
         return torch.where(valid, log_probs, 0.0), logits
 
 
-def generate_kwargs(cfg, tokenizer, *, greedy: bool, max_new_tokens: int) -> dict:
-    # A sampled pad token must end the reply: TorchRL strips pad ids when it unpads replies, so a
-    # pad inside one would shift every later token against its log-prob.
-    stop = {"eos_token_id": sorted({tokenizer.eos_token_id, tokenizer.pad_token_id})}
+def stop_token_ids(tokenizer, generation_config) -> list[int]:
+    """Every id that ends a reply: the tokenizer's eos and pad, and the model's own eos ids.
+
+    Models list several (Qwen2.5: ``<|im_end|>`` and ``<|endoftext|>``; Llama 3 its end-of-turn
+    ids) in ``generation_config.eos_token_id``, which ``generate`` would otherwise use. A sampled
+    pad must end the reply too: TorchRL strips pad ids when it unpads replies, so a pad inside one
+    would shift every later token against its log-prob.
+    """
+    model_eos = getattr(generation_config, "eos_token_id", None)
+    model_eos = [] if model_eos is None else [model_eos] if isinstance(model_eos, int) else list(model_eos)
+    return sorted({tokenizer.eos_token_id, tokenizer.pad_token_id, *model_eos} - {None})
+
+
+def generate_kwargs(cfg, tokenizer, *, greedy: bool, max_new_tokens: int, stop_ids: list[int]) -> dict:
+    """``generate`` options for rollouts (sampled) or eval (greedy), with every sampling knob explicit.
+
+    ``pad_token_id`` is the tokenizer's: a model's ``generation_config`` may pad with another id
+    (SmolLM2 pads with its eos), and TorchRL strips only the tokenizer's pad from replies, so
+    finished replies came back followed by runs of eos that counted as reply tokens. ``top_k`` is
+    always passed: transformers' default of 50 would otherwise truncate the sampler silently.
+    """
+    common = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
     if greedy:
-        return {"max_new_tokens": max_new_tokens, "do_sample": False, **stop}
-    return {
-        "max_new_tokens": max_new_tokens, "do_sample": True,
-        "temperature": cfg.inference_model.temperature, "top_p": cfg.inference_model.top_p, **stop,
-    }
+        return {**common, "do_sample": False}
+    im = cfg.inference_model
+    return {**common, "do_sample": True, "temperature": im.temperature, "top_p": im.top_p, "top_k": im.top_k}
 
 
 def compiled_decode_kwargs(cfg, model) -> dict:
@@ -169,15 +187,16 @@ def compiled_decode_kwargs(cfg, model) -> dict:
 
 def make_transformers_policy(model, tokenizer, *, gen_kwargs: dict):
     """Generation in history mode: chat prompts in, sampled replies plus their log-probs out."""
+    # TorchRL 0.14 refuses top_k=0 (transformers' "off") and silently drops the generate() options
+    # it does not know (cache_implementation, max_cache_len): it gets what it accepts, and
+    # generate() then gets every option as given.
     policy = GeneratingWrapper(
         model, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
-        pad_output=False, generate_kwargs=gen_kwargs,
+        pad_output=False, generate_kwargs={k: v for k, v in gen_kwargs.items() if (k, v) != ("top_k", 0)},
         # without it the prompts stay on the CPU and sampling over the vocabulary runs there
         device=next(model.parameters()).device,
     )
-    # TorchRL 0.14 forwards only the generate() options it knows and silently drops the others,
-    # cache_implementation and max_cache_len among them: hand those to generate() as given.
-    policy.generate_kwargs.update({k: v for k, v in gen_kwargs.items() if k not in policy.generate_kwargs})
+    policy.generate_kwargs.update(gen_kwargs)
     return policy
 
 

@@ -9,7 +9,8 @@ a step (docs/trl_comparison.md). So the batch is made dense once, here:
   so every reply starts at column ``P`` and the model's logits are needed for the last
   ``R + 1`` positions only;
 * ``attention_mask``, ``reply_mask`` (``[S, R]``): built from lengths, never from pad ids (a
-  reply may end in the pad token);
+  reply may end in the pad token). A reply ends at its first stop token, whatever an engine
+  appended after it: padding never enters the loss or the metrics;
 * ``behaviour_log_probs`` (``[S, R]``): the log-probs the *generating* policy gave each reply
   token, kept as sampled. Recomputing them with the current weights would make every
   importance ratio 1 and clipping would do nothing;
@@ -24,12 +25,20 @@ from tensordict import TensorDict, TensorDictBase
 from grpo.models import reply_log_probs
 
 
-def to_training_batch(data: TensorDictBase, pad_token_id: int) -> TensorDict:
+def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
+    """The reply's length up to and including its first stop token (all of it when none)."""
+    stops = torch.isin(reply, stop_ids).nonzero()
+    return int(stops[0, 0]) + 1 if len(stops) else reply.numel()
+
+
+def to_training_batch(data: TensorDictBase, pad_token_id: int, stop_token_ids: list[int]) -> TensorDict:
     """The collector's per-sample rollouts as one dense batch (see the module docstring)."""
     samples = data.unbind(0)
+    stop_ids = torch.tensor(stop_token_ids, dtype=torch.long)
     prompts = [s["tokens", "prompt"] for s in samples]
     replies = [s["tokens", "response"] for s in samples]
-    behaviour = [s["log_probs", "response"] for s in samples]
+    replies = [r[:through_first_stop(r, stop_ids)] for r in replies]
+    behaviour = [s["log_probs", "response"][:r.numel()] for s, r in zip(samples, replies)]
     prompt_len = torch.tensor([p.numel() for p in prompts])
     reply_len = torch.tensor([r.numel() for r in replies])
     n, width_p, width_r = len(samples), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
@@ -49,6 +58,7 @@ def to_training_batch(data: TensorDictBase, pad_token_id: int) -> TensorDict:
         "reward": data.get(("next", "reward")).reshape(n, -1)[:, -1].float(),
         "prompt_length": prompt_len,
         "reply_length": reply_len,
+        "reply_stopped": torch.tensor([bool(torch.isin(r[-1:], stop_ids).any()) for r in replies]),
     }, batch_size=[n])
 
 
@@ -112,20 +122,23 @@ def prompt_group_ids(batch: TensorDict) -> torch.Tensor:
     return torch.tensor(rows)
 
 
-def prepare_rollouts(data: TensorDictBase, *, pad_token_id: int, ref_model, ref_device, micro_batch: int,
-                     kl_to_ref_coeff: float, kl_in_reward: bool, policy_model=None, policy_device=None
-                     ) -> tuple[TensorDict, dict]:
+def prepare_rollouts(data: TensorDictBase, *, pad_token_id: int, stop_token_ids: list[int], ref_model, ref_device,
+                     micro_batch: int, kl_to_ref_coeff: float, kl_in_reward: bool, policy_model=None,
+                     policy_device=None) -> tuple[TensorDict, dict]:
     """The collected rollouts as a dense training batch with advantages, plus statistics to log.
 
     With ``policy_model`` (truncated IS on), the trainer's own log-probs of the replies at the
     current weights are stored as ``trainer_log_probs``: the loss clips against them and weights
     each token by the (truncated) trainer/sampler ratio.
     """
-    batch = to_training_batch(data, pad_token_id)
+    batch = to_training_batch(data, pad_token_id, stop_token_ids)
     stats = {
         "reward": batch["reward"].mean().item(),
         "success_rate": data.get(("next", "success")).float().mean().item(),
         "response_length": batch["reply_length"].float().mean().item(),
+        "response_length_max": int(batch["reply_length"].max()),
+        # replies cut by max_new_tokens before any stop token
+        "response_truncated_fraction": 1 - batch["reply_stopped"].float().mean().item(),
     }
     if ref_model is not None:
         batch["ref_log_probs"] = score_replies(batch, ref_model, ref_device, micro_batch)

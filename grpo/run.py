@@ -21,7 +21,8 @@ from grpo.envs import EVAL_FIELDS, TASK_ENVS, data_position, make_env, skip_to_p
 from grpo.evaluation import evaluate
 from grpo.inference import make_inference
 from grpo.logger import RunLogger, profile_to
-from grpo.models import configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer
+from grpo.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
+                         stop_token_ids)
 from grpo.rollouts import prepare_rollouts
 from grpo.setup import REPO_ROOT, StopFlag, StopRequested, resolve_local_paths, resolved_config, seed_everything
 from grpo.trainer import (GRPOObjective, make_optimizer, make_replay_buffer, make_scheduler, micro_batch_size,
@@ -58,6 +59,7 @@ class TrainingRun:
         self.tokenizer = load_tokenizer(cfg.model.name)
         self.policy_model = load_policy_model(cfg, self.tokenizer, self.train_device, shard_over=self.alloc.train)
         self.ref_model = load_reference_model(cfg, self.tokenizer, self.ref_device) if cfg.train.use_kl_to_ref else None
+        self.stop_ids = stop_token_ids(self.tokenizer, self.policy_model.generation_config)
         # sync generates here; async generates in Ray workers and keeps a local engine on the
         # training device for greedy eval only
         self.rollout_devices = [str(self.alloc.torch_device("inference"))] if self.alloc.cpu else \
@@ -127,7 +129,8 @@ class TrainingRun:
         else:
             stats = {}
         batch, rollout_stats = prepare_rollouts(
-            rollouts, pad_token_id=self.tokenizer.pad_token_id, ref_model=self.ref_model, ref_device=self.ref_device,
+            rollouts, pad_token_id=self.tokenizer.pad_token_id, stop_token_ids=self.stop_ids,
+            ref_model=self.ref_model, ref_device=self.ref_device,
             micro_batch=micro_batch_size(self.cfg), kl_to_ref_coeff=self.cfg.train.kl_to_ref_coeff,
             kl_in_reward=not self.cfg.train.kl_coef_in_loss,
             policy_model=self.policy_model if self.cfg.train.inference_is_cap is not None else None,
@@ -168,6 +171,12 @@ class TrainingRun:
 
     def log_step(self, step: int, metrics: dict, t0: float) -> None:
         metrics["step_time_s"] = time.perf_counter() - t0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # this step's peak over the GPUs this process uses (generation usually sets it)
+            metrics["gpu_peak_memory_gb"] = max(torch.cuda.max_memory_allocated(i)
+                                                for i in range(torch.cuda.device_count())) / 2**30
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
         self.logger.log({"step": step, **metrics})
         self._postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}
 

@@ -154,10 +154,32 @@ LOGGED_LOSS_FIELDS = {
 }
 
 
+@contextlib.contextmanager
+def train_mode_if(model, enabled: bool):
+    """Train mode for the duration, when gradient checkpointing needs it (HF checkpoints only in
+    train mode); the model is otherwise kept in eval mode, where ``generate`` keeps its KV cache."""
+    model.train(enabled)
+    try:
+        yield
+    finally:
+        model.eval()
+
+
 def optimize_on_batch(buffer, loss_fn, optimizer, scheduler, scaler, cfg, device, model) -> dict:
-    """``train.epochs`` passes over the buffer; returns metrics averaged over optimiser steps."""
+    """``train.epochs`` passes over the buffer; returns metrics averaged over optimiser steps.
+
+    ``kl_to_inference_pre_update`` is the first micro-batch's sampler/trainer KL, taken before this
+    batch's first optimiser step: on-policy it must be ~0 (< 1e-3), or sampler and trainer disagree
+    on the tokens (masks, padding, dtype), whatever the later minibatches show.
+    """
+    with train_mode_if(model, cfg.train_model.gradient_checkpointing):
+        return _optimize(buffer, loss_fn, optimizer, scheduler, scaler, cfg, device, model)
+
+
+def _optimize(buffer, loss_fn, optimizer, scheduler, scaler, cfg, device, model) -> dict:
     accum = cfg.train.gradient_accumulation_steps
     sums, n_micro, n_steps, grad_norms = defaultdict(lambda: 0.0), 0, 0, []
+    pre_update_kl = None
     for _ in range(cfg.train.epochs):
         for i, micro in enumerate(buffer):
             micro = trim_padding(micro)
@@ -173,6 +195,8 @@ def optimize_on_batch(buffer, loss_fn, optimizer, scheduler, scaler, cfg, device
                     sums[dst] = sums[dst] + out[src].detach()
             sums["entropy"] = sums["entropy"] + (-out["loss_entropy"].detach())
             sums["advantage_abs"] = sums["advantage_abs"] + micro["advantage"].abs().mean()
+            if n_micro == 0 and "kl_to_inference" in out:
+                pre_update_kl = out["kl_to_inference"]
             n_micro += 1
             if (i + 1) % accum == 0:
                 scaler.unscale_(optimizer)
@@ -186,6 +210,8 @@ def optimize_on_batch(buffer, loss_fn, optimizer, scheduler, scaler, cfg, device
                 scheduler.step()
                 n_steps += 1
     metrics = {k: float(v) / max(1, n_micro) for k, v in sums.items()}
+    if pre_update_kl is not None:
+        metrics["kl_to_inference_pre_update"] = float(pre_update_kl)
     metrics["grad_norm"] = float(sum(grad_norms)) / max(1, len(grad_norms))
     metrics["optim_steps"] = n_steps
     metrics["lr"] = scheduler.get_last_lr()[0]

@@ -412,7 +412,7 @@ class VLLMInference:
     """
 
     def __init__(self, cfg, policy_model, tokenizer, device: torch.device):
-        from grpo.models import generate_kwargs, torch_dtype
+        from grpo.models import generate_kwargs, stop_token_ids, torch_dtype
 
         im = cfg.inference_model
         device = torch.device(device)
@@ -434,15 +434,22 @@ class VLLMInference:
             cpu_kvcache_space_gb=im.get("cpu_kvcache_space_gb", None),
             device=device.type,
         )
-        def vllm_kwargs(greedy: bool, max_new_tokens: int) -> dict:
-            # eos_token_id is transformers-only; vLLM's masks stay exact even with a pad inside a reply
-            kwargs = generate_kwargs(cfg, tokenizer, greedy=greedy, max_new_tokens=max_new_tokens)
-            kwargs.pop("eos_token_id")
-            return kwargs
+        stop_ids = stop_token_ids(tokenizer, policy_model.generation_config)
 
-        self.policy = make_vllm_policy(self.llm, tokenizer, generate_kwargs=vllm_kwargs(False, im.max_new_tokens))
-        self.greedy_policy = make_vllm_policy(self.llm, tokenizer,
-                                              generate_kwargs=vllm_kwargs(True, cfg.eval.max_new_tokens))
+        def vllm_policy(greedy: bool, max_new_tokens: int):
+            # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing, and stops
+            # on the same ids once they are its stop_token_ids, which TorchRL's wrapper does not
+            # forward, so they are set on its SamplingParams
+            kwargs = generate_kwargs(cfg, tokenizer, greedy=greedy, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+            kwargs.pop("eos_token_id"), kwargs.pop("pad_token_id")
+            if kwargs.get("top_k") == 0:  # TorchRL refuses 0; vLLM's own default is off
+                kwargs.pop("top_k")
+            policy = make_vllm_policy(self.llm, tokenizer, generate_kwargs=kwargs)
+            policy.sampling_params.stop_token_ids = stop_ids
+            return policy
+
+        self.policy = vllm_policy(False, im.max_new_tokens)
+        self.greedy_policy = vllm_policy(True, cfg.eval.max_new_tokens)
         self.version = 0
         self.last_push_s = self.push_weights(policy_model, version=0)
 

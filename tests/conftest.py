@@ -25,3 +25,26 @@ def tiny_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_data_dir() -> Path:
     return TINY_DATA
+
+
+# The real model and GSM8K rows are not in git: scripts/fetch_real_assets.py fetches them (CI runs it
+# before the tests). Missing assets fail rather than skip, so a broken fetch cannot pass unnoticed.
+REAL_MODEL = Path(os.environ.get("GRPO_REAL_MODEL", REPO / "assets" / "smollm2-135m-instruct"))
+REAL_DATA = Path(os.environ.get("GRPO_REAL_DATA", REPO / "data" / "gsm8k_real"))
+
+
+def _fetched(path: Path, *files: str) -> Path:
+    missing = [name for name in files if not (path / name).is_file()]
+    if missing:
+        pytest.fail(f"{path} lacks {', '.join(missing)}: run `python scripts/fetch_real_assets.py`", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    return _fetched(REAL_MODEL, "config.json", "model.safetensors", "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def real_gsm8k_dir() -> Path:
+    return _fetched(REAL_DATA, "train.jsonl", "test.jsonl")

@@ -43,6 +43,10 @@ def test_every_key_has_a_comment(name):
     ("env.task=mmlu", r"env.task='mmlu' is unknown"),
     ("inference_model.backend=sglang", r"inference_model.backend='sglang'"),
     ("inference_model.max_new_tokens=600", r"inference_model.max_new_tokens=600 leaves no room.*max_model_len=512"),
+    ("train_model.mixed_precision=true", r"mixed_precision=true computes the loss in bfloat16.*"
+                                         r"train_model.mixed_precision=false"),
+    ("inference_model.top_k=-1", r"inference_model.top_k=-1 must be a whole number >= 0"),
+    ("reward.answer_extraction=regex", r"reward.answer_extraction='regex'; use tag .* or last_number"),
 ])
 def test_bad_values_name_key_and_fix(override, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -6,7 +6,7 @@ import torch
 from conftest import compose
 from grpo.envs import make_collector, make_env
 from grpo.models import (compiled_decode_kwargs, configure_attention_kernels, generate_kwargs, load_causal_lm,
-                         load_tokenizer, make_transformers_policy, reply_log_probs)
+                         load_tokenizer, make_transformers_policy, reply_log_probs, stop_token_ids)
 from grpo.rollouts import to_training_batch
 from grpo.setup import resolve_local_paths
 
@@ -45,7 +45,8 @@ def test_static_cache_reaches_generate_and_keeps_log_probs_exact(tiny):
     of the model that sampled them, and greedy replies are those of the default cache."""
     cfg, tok, model = tiny
     static = {"cache_implementation": "static", "max_cache_len": 384}
-    greedy = generate_kwargs(cfg, tok, greedy=True, max_new_tokens=16)
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    greedy = generate_kwargs(cfg, tok, greedy=True, max_new_tokens=16, stop_ids=stop_ids)
     if hasattr(model, "_previous_max_cache_length"):
         del model._previous_max_cache_length
     rollouts, policy = collect(cfg, tok, model, {**greedy, **static})
@@ -56,8 +57,8 @@ def test_static_cache_reaches_generate_and_keeps_log_probs_exact(tiny):
     for a, b in zip(rollouts.unbind(0), baseline.unbind(0)):
         assert torch.equal(a["tokens", "response"], b["tokens", "response"])
 
-    sampled, _ = collect(cfg, tok, model, {**generate_kwargs(cfg, tok, greedy=False, max_new_tokens=16), **static})
-    batch = to_training_batch(sampled, pad_token_id=tok.pad_token_id)
+    sampled, _ = collect(cfg, tok, model, {**generate_kwargs(cfg, tok, greedy=False, max_new_tokens=16, stop_ids=stop_ids), **static})
+    batch = to_training_batch(sampled, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
     assert batch["reply_mask"].sum() > 0
     with torch.no_grad():
         trainer_lp, _ = reply_log_probs(model, batch, with_entropy=False)
@@ -77,3 +78,78 @@ def test_cudnn_attention_follows_the_config(tiny):
     finally:
         cfg.model.cudnn_attention = False
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_stop_ids_cover_tokenizer_and_model_eos():
+    class Tok:
+        eos_token_id, pad_token_id = 7, 3
+
+    class GenerationConfig:
+        eos_token_id = [7, 9]
+
+    assert stop_token_ids(Tok(), GenerationConfig()) == [3, 7, 9]
+    GenerationConfig.eos_token_id = None
+    assert stop_token_ids(Tok(), GenerationConfig()) == [3, 7]
+
+
+def sampled_rollouts(cfg, tok, model, *, seed=0, **overrides):
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    for key, value in overrides.items():
+        cfg.inference_model[key] = value
+    rollouts, policy = collect(cfg, tok, model, generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24,
+                                                                stop_ids=stop_ids), seed=seed)
+    return rollouts, policy, stop_ids
+
+
+def test_replies_end_at_their_first_stop_token_when_the_model_pads_with_eos(tiny):
+    """SmolLM2's generation_config pads with its eos, not with the tokenizer's pad: finished replies
+    then came back followed by runs of eos with log-probs of -13, counted as reply tokens. The
+    tokenizer's pad is now passed to generate, and TorchRL strips it."""
+    cfg, tok, model = tiny
+    saved = model.generation_config.pad_token_id
+    model.generation_config.pad_token_id = tok.eos_token_id
+    try:
+        rollouts, policy, stop_ids = sampled_rollouts(cfg, tok, model)
+    finally:
+        model.generation_config.pad_token_id = saved
+    assert policy.generate_kwargs["pad_token_id"] == tok.pad_token_id != tok.eos_token_id
+    replies = [s["tokens", "response"] for s in rollouts.unbind(0)]
+    stopped = [r for r in replies if torch.isin(r, torch.tensor(stop_ids)).any()]
+    assert stopped, "the test needs replies that finished before max_new_tokens"
+    assert len({r.numel() for r in replies}) > 1, "finished replies must keep their own length"
+    for r in stopped:
+        assert torch.isin(r[-1:], torch.tensor(stop_ids)).all() and not torch.isin(r[:-1], torch.tensor(stop_ids)).any()
+    batch = to_training_batch(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
+    with torch.no_grad():
+        trainer_lp, _ = reply_log_probs(model, batch, with_entropy=False)
+    mask = batch["reply_mask"]
+    diff = (trainer_lp - batch["behaviour_log_probs"])[mask]
+    assert float((diff.expm1() - diff).mean()) < 1e-3  # sampler/trainer KL before any update
+
+
+def test_top_k_is_off_by_default_and_reaches_generate(tiny):
+    """transformers samples with top_k=50 unless told otherwise. At a high temperature the tiny
+    model (531 tokens) then samples tokens outside its top 50 only when top_k is really off."""
+    cfg, tok, model = tiny
+    assert cfg.inference_model.top_k == 0
+    saved = cfg.inference_model.temperature, cfg.inference_model.top_k
+
+    def outside_top(k_rank: int, **overrides) -> int:
+        rollouts, policy, _ = sampled_rollouts(cfg, tok, model, **overrides)
+        assert policy.generate_kwargs["top_k"] == cfg.inference_model.top_k
+        batch = to_training_batch(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=[])
+        width_r = batch["reply_mask"].shape[1]
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
+                           position_ids=(batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)).logits
+        logits = logits[:, -width_r - 1:-1]
+        chosen = logits.gather(-1, batch["input_ids"][:, -width_r:, None])
+        rank = (logits > chosen).sum(-1)  # 0 for the most likely token
+        return int(((rank >= k_rank) & batch["reply_mask"]).sum())
+
+    try:
+        assert outside_top(50, temperature=20.0, top_k=0) > 0
+        assert outside_top(50, temperature=20.0, top_k=50) == 0
+        assert outside_top(3, temperature=20.0, top_k=3) == 0
+    finally:
+        cfg.inference_model.temperature, cfg.inference_model.top_k = saved

@@ -54,3 +54,164 @@ def test_reference_answer_takes_text_after_hashes():
 ])
 def test_format(response, ok):
     assert is_well_formatted(response) is ok
+
+
+# --- reward.answer_extraction: tag (strict) or last_number ---------------------------------
+
+TINY_REF = "3 + 5 = 8\n#### 8"
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model_dir):
+    from grpo.models import load_tokenizer
+
+    return load_tokenizer(str(tiny_model_dir))  # ChatML: <|im_end|> = eos, <|endoftext|> = pad, both special
+
+
+def _score(reward, replies, references):
+    """Run the reward transform's step on assistant replies, as the env does (history mode)."""
+    from tensordict import TensorDict
+    from torchrl.data.llm import History
+
+    n = len(replies)
+    history = History(role=[["user", "assistant"]] * n, content=[["Q?", r] for r in replies], batch_size=(n, 2))
+    reward.in_keys = [("history", "full"), "answer"]  # what the env's input mode sets
+    td = TensorDict({("history", "full"): history}, batch_size=(n,))
+    nxt = reward._step(td, TensorDict(answer=list(references), batch_size=(n,)))
+    return {key: nxt[key].view(-1).tolist() for key in ("reward", "success", "reward_answer", "reward_think")}
+
+
+def _one(reward, reply, reference=TINY_REF):
+    return {key: values[0] for key, values in _score(reward, [reply], [reference]).items()}
+
+
+# reply -> (tag: reward, success, reward_answer), (last_number: reward, success, reward_answer)
+SCORING_CASES = [
+    # <answer> present: both modes read it
+    ("<think>3 + 5 = 8</think><answer>8</answer>", (1.1, True, 1.0), (1.1, True, 1.0)),
+    ("<think>3 + 5 = 9</think><answer>9</answer>", (0.1, False, 1.0), (0.1, False, 1.0)),
+    ("<answer>The answer is $8.00.</answer>", (1.0, True, 1.0), (1.0, True, 1.0)),
+    # the tag wins over a later number, and over a tag that holds no number
+    ("<answer>9</answer> Actually it is 8", (0.0, False, 1.0), (0.0, False, 1.0)),
+    ("<think>3 + 5 = 8</think><answer>eight</answer>", (0.1, False, 1.0), (0.1, False, 0.0)),
+    ("<think>8</think><answer></answer>", (0.1, False, 0.0), (0.1, False, 0.0)),
+    # no tag: only last_number finds an answer
+    ("3 + 5 = 8", (0.0, False, 0.0), (1.0, True, 1.0)),
+    ("3 + 5 = 8, so the answer is 8.", (0.0, False, 0.0), (1.0, True, 1.0)),
+    ("I think it is 8, no wait, 9.", (0.0, False, 0.0), (0.0, False, 1.0)),
+    ("<think>3 + 5 = 8</think>The answer is 8.", (0.0, False, 0.0), (1.0, True, 1.0)),
+    ("<answer>8 (never closed", (0.0, False, 0.0), (1.0, True, 1.0)),
+    ("I do not know.", (0.0, False, 0.0), (0.0, False, 0.0)),
+    ("", (0.0, False, 0.0), (0.0, False, 0.0)),
+    # trailing special tokens are no numbers and no format break
+    ("3 + 5 = 8<|im_end|>", (0.0, False, 0.0), (1.0, True, 1.0)),
+    ("The answer is 8.<|im_end|>\n<|endoftext|><|endoftext|>", (0.0, False, 0.0), (1.0, True, 1.0)),
+    ("No number here<|im_end|><|endoftext|>", (0.0, False, 0.0), (0.0, False, 0.0)),
+    ("<think>3 + 5 = 8</think><answer>8</answer><|im_end|><|endoftext|>", (1.1, True, 1.0), (1.1, True, 1.0)),
+    ("<think>x</think><answer>7</answer>\n<|endoftext|>", (0.1, False, 1.0), (0.1, False, 1.0)),
+]
+
+
+@pytest.mark.parametrize("mode", ["tag", "last_number"])
+@pytest.mark.parametrize("reply, tag_expected, last_expected", SCORING_CASES)
+def test_answer_extraction_scoring(tiny_tok, mode, reply, tag_expected, last_expected):
+    from grpo.rewards import GSM8KReward
+
+    reward_value, success, answer = tag_expected if mode == "tag" else last_expected
+    got = _one(GSM8KReward(tiny_tok, answer_extraction=mode), reply)
+    assert got["reward"] == pytest.approx(reward_value)
+    assert got["success"] is success
+    assert got["reward_answer"] == answer
+
+
+@pytest.mark.parametrize("reply, reference, correct", [
+    ("It costs $1,200 in total", "He pays 1200\n#### 1200", True),
+    ("It costs $1,200.00.", "#### 1,200", True),
+    ("So 1,080 apples", "#### 1080", True),
+    ("Total: $ 18", "#### 18", True),
+    ("The temperature drops to -7 degrees", "#### -7", True),
+    ("She has 0.5 left", "#### .5", True),
+    ("It costs $1,200 and 3 cents", "#### 1200", False),  # the last number is 3
+    ("1,2 or 12?", "#### 12", True),
+])
+def test_last_number_with_dollars_and_commas(tiny_tok, reply, reference, correct):
+    from grpo.rewards import GSM8KReward
+
+    got = _one(GSM8KReward(tiny_tok, answer_extraction="last_number"), reply, reference)
+    assert got["success"] is correct
+    assert got["reward"] == pytest.approx(1.0 if correct else 0.0)
+    assert got["reward_answer"] == 1.0
+
+
+def test_special_tokens_with_digits_never_count(tiny_model_dir):
+    from grpo.models import load_tokenizer
+    from grpo.rewards import GSM8KReward, special_tokens
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    tok.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_7|>"]})
+    specials = special_tokens(tok)
+    assert {"<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|reserved_special_token_7|>"} <= set(specials)
+    assert not {"<think>", "</think>", "<answer>", "</answer>"} & set(specials)  # added, but reply text
+    reward = GSM8KReward(tok, answer_extraction="last_number")
+    assert _one(reward, "So 8<|reserved_special_token_7|><|im_end|>")["success"] is True
+    assert _one(reward, "So 8 <|reserved_special_token_7|> apples")["success"] is True
+    nothing = _one(reward, "Nothing<|reserved_special_token_7|>")
+    assert nothing["reward_answer"] == 0.0 and nothing["success"] is False
+
+
+def test_batch_and_think_outputs(tiny_tok):
+    from grpo.rewards import GSM8KReward
+
+    replies = ["3 + 5 = 8", "<think>3 + 5</think><answer>8</answer>", "no", "<think>5 + 3 = 8</think> 8<|im_end|>"]
+    refs = [TINY_REF, TINY_REF, TINY_REF, "#### 8"]
+    tag = _score(GSM8KReward(tiny_tok, answer_extraction="tag", format_reward=0.5), replies, refs)
+    last = _score(GSM8KReward(tiny_tok, answer_extraction="last_number", format_reward=0.5), replies, refs)
+    assert tag["reward_answer"] == [0.0, 1.0, 0.0, 0.0]  # eval/answer_rate 0.25
+    assert last["reward_answer"] == [1.0, 1.0, 0.0, 1.0]  # eval/answer_rate 0.75
+    assert tag["reward"] == pytest.approx([0.0, 1.5, 0.0, 0.0])
+    assert last["reward"] == pytest.approx([1.0, 1.5, 0.0, 1.0])
+    assert tag["reward_think"] == last["reward_think"] == [0.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("bad", ["last-number", "TAG", "", None])
+def test_bad_answer_extraction_is_refused(tiny_tok, bad):
+    from grpo.rewards import GSM8KReward
+
+    with pytest.raises(ValueError, match=r"reward\.answer_extraction.*'tag'.*'last_number'"):
+        GSM8KReward(tiny_tok, answer_extraction=bad)
+
+
+@pytest.mark.parametrize("mode, rewards, answered", [
+    ("tag", [0.0, 0.1, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]),
+    ("last_number", [1.0, 0.1, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]),
+])
+def test_env_reward_follows_answer_extraction(mode, rewards, answered):
+    """The real GSM8K env, built from the composed config, stepped with hand-written replies."""
+    from conftest import compose
+    from torchrl.data.llm import History
+
+    import grpo.setup
+    from grpo.envs import make_env
+    from grpo.models import load_tokenizer
+
+    cfg = compose("grpo_tiny", [f"reward.answer_extraction={mode}"])
+    grpo.setup.resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    env = make_env(cfg, tok, split="test", repeats=2, num_envs=4, shuffle=False)
+    td = env.reset()
+    # test.jsonl rows 0 and 1, each twice: 19 + 6 = 25, 4 * 2 = 8
+    assert [a.rsplit("#### ", 1)[1] for a in td["answer"]] == ["25", "25", "8", "8"]
+    replies = [
+        "19 + 6 = 25<|im_end|>",  # no tags: right under last_number only
+        "<think>19 + 6 = 24</think><answer>24</answer><|im_end|><|endoftext|>",  # tag wins; wrong but formatted
+        "4 * 2 is 8 eggs.",
+        "I do not know.<|im_end|>",
+    ]
+    response = History(role=["assistant"] * 4, content=replies, batch_size=(4,)).unsqueeze(-1)
+    td["history", "full"] = td["history", "prompt"].extend(response, inplace=False, dim=-1)
+    nxt = env.step(td)["next"]
+    assert nxt["reward"].shape == (4, 1, 1)
+    assert nxt["reward"].view(-1).tolist() == pytest.approx(rewards)
+    assert nxt["reward_answer"].view(-1).tolist() == answered
+    assert nxt["success"].view(-1).tolist() == [r == 1.0 for r in rewards]
+    assert nxt["done"].all()

@@ -12,11 +12,12 @@ from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from conftest import compose
 from grpo.envs import make_env
-from grpo.models import generate_kwargs, load_policy_model, load_tokenizer, make_transformers_policy, reply_log_probs
+from grpo.models import (generate_kwargs, load_policy_model, load_tokenizer, make_transformers_policy, reply_log_probs,
+                         stop_token_ids, torch_dtype)
 from grpo.rollouts import (group_advantages, per_sample_kl_to_ref, prepare_rollouts, prompt_group_ids,
                            to_training_batch, trim_padding)
 from grpo.setup import resolve_local_paths
-from grpo.trainer import GRPOObjective, make_replay_buffer, total_loss
+from grpo.trainer import GRPOObjective, make_optimizer, make_replay_buffer, total_loss
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,12 @@ def setup(tiny_model_dir, tiny_data_dir):
     tok = load_tokenizer(cfg.model.name)
     model = load_policy_model(cfg, tok, torch.device("cpu"))
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
-    policy = make_transformers_policy(model, tok, gen_kwargs=generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24))
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    policy = make_transformers_policy(model, tok, gen_kwargs=generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24,
+                                                                             stop_ids=stop_ids))
     rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
-    batch, _ = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, ref_model=None, ref_device=None,
+    batch, _ = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids, ref_model=None,
+                                ref_device=None,
                                 micro_batch=8, kl_to_ref_coeff=0.0, kl_in_reward=False)
     assert len(set(batch["reply_length"].tolist())) > 1, "the test needs replies of different lengths"
     return cfg, tok, model, rollouts, batch
@@ -210,7 +214,7 @@ def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
             "log_probs": TensorDict({"response": torch.tensor(beh)}),
             ("next", "reward"): torch.ones(1, 1),
         }))
-    batch = to_training_batch(lazy_stack(samples), pad_token_id=0)
+    batch = to_training_batch(lazy_stack(samples), pad_token_id=0, stop_token_ids=[])
     batch["ref_log_probs"] = torch.tensor([[-1.5, -2.0], [-0.1, 0.0]])
 
     def k3(beh, ref):
@@ -264,7 +268,9 @@ def test_truncated_is_clips_against_trainer_and_weights_by_capped_ratio(setup):
 
 def test_truncated_is_scores_the_trainer_log_probs_in_prepare(setup):
     cfg, tok, model, rollouts, _ = setup
-    batch, stats = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, ref_model=None, ref_device=None,
+    batch, stats = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id,
+                                    stop_token_ids=stop_token_ids(tok, model.generation_config),
+                                    ref_model=None, ref_device=None,
                                     micro_batch=3, kl_to_ref_coeff=0.0, kl_in_reward=False,
                                     policy_model=model, policy_device=torch.device("cpu"))
     # same weights as the sampler: the trainer's log-probs equal the sampler's
@@ -300,3 +306,26 @@ def test_compiled_loss_matches_eager_in_value_and_gradient(setup):
         for g_c, g_e in zip(grads_c, grads_e):
             torch.testing.assert_close(g_c, g_e, atol=1e-5, rtol=1e-3)
     model.zero_grad(set_to_none=True)
+
+
+def test_default_master_weights_apply_updates_of_the_default_learning_rate():
+    """The real job's AdamW steps are ~lr = 1e-6; next to a weight of ~0.02 that is below bfloat16's
+    spacing (~1e-4), so bf16 master weights barely moved. The default keeps float32 master weights
+    (bf16 compute under autocast), where every weight with a gradient moves."""
+    cfg = compose("grpo_gsm8k")
+    master = torch_dtype(cfg.train_model.dtype, torch.device("cuda"))
+    assert master == torch.float32
+
+    def changed_fraction(dtype: torch.dtype) -> float:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256, bias=False).to(dtype)
+        torch.nn.init.normal_(model.weight, std=0.02)
+        before = model.weight.detach().clone()
+        optimizer = make_optimizer(cfg, model)
+        for _ in range(4):
+            model.weight.grad = torch.randn_like(model.weight)
+            optimizer.step()
+        return float((model.weight != before).float().mean())
+
+    assert changed_fraction(master) > 0.99
+    assert changed_fraction(torch.bfloat16) < 0.1  # what the old default did

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The real-size runs of issue 15 on one lent GPU (H100/H200; transformers backend, no vLLM there).
+#   default_1p5b   the DEFAULT grpo_gsm8k config, 4 steps, with a random-init Qwen2.5-1.5B-shape model
+#                  and the shipped data/gsm8k_tiny swapped in (backend transformers: nothing else changed)
+#   smollm_ifeval  real SmolLM2-135M-Instruct on the IFEval-format prompts of data/ifeval_tiny, 40 steps
+#   smollm_gsm8k   real SmolLM2 on real GSM8K rows (grpo_smollm: 1,000 train / 319 held out), 100 steps
+# Each run's metrics.jsonl is summarised by benchmarks/summarize_run.py.
+# Usage: KEEP=/root/keep SMOLLM=/path/model GSM8K_REAL=/path/data bash benchmarks/real_size.sh PART...
+set -uo pipefail
+KEEP=${KEEP:-/tmp/real_size}
+SMOLLM=${SMOLLM:-assets/smollm2-135m-instruct}
+GSM8K_REAL=${GSM8K_REAL:-data/gsm8k_real}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+mkdir -p "$KEEP/runs"
+common=(logger=none logging.progress_bar=false)
+
+run() {  # run NAME TIMEOUT grpo.py-args...: the run dir is $KEEP/runs/NAME
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" python3 grpo/grpo.py "$@" "${common[@]}" "hydra.run.dir=$KEEP/runs/$name" > "$KEEP/runs/$name.log" 2>&1
+  echo "== $name rc=$? wall=$(( $(date +%s) - t0 ))s"
+  grep -E "^error|Error|error:" "$KEEP/runs/$name.log" | tail -5
+  python3 benchmarks/summarize_run.py "$KEEP/runs/$name" > "$KEEP/runs/$name.summary.txt" 2>&1
+  head -c 6000 "$KEEP/runs/$name.summary.txt"
+}
+
+for part in "$@"; do
+  case $part in
+    default_1p5b)
+      [ -f "$KEEP/q15/config.json" ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from bench_vs_trl import build_random_init_model
+build_random_init_model('qwen2.5-1.5b', 'assets/tiny-model', Path('$KEEP/q15'), seed=0)" > /dev/null
+      run default_1p5b 470 model.name="$KEEP/q15" env.dataset=data/gsm8k_tiny inference_model.backend=transformers \
+        train.total_steps=4 ;;
+    smollm_ifeval)  # IFEVAL_EXTRA: more overrides, IFEVAL_NAME: its run name
+      run "${IFEVAL_NAME:-smollm_ifeval}" 560 --config-name grpo_ifeval_tiny model.name="$SMOLLM" env.repeats=8 env.num_envs=64 \
+        train.dialog_turns_per_batch=64 train.optim_batch_size=32 inference_model.max_new_tokens=96 \
+        train.total_steps=40 optimizer.lr=1e-5 optimizer.schedule=cosine optimizer.warmup_steps=5 allow_cpu=false \
+        ${IFEVAL_EXTRA:-} ;;
+    smollm_gsm8k)
+      run smollm_gsm8k 1500 --config-name grpo_smollm model.name="$SMOLLM" env.dataset="$GSM8K_REAL" ;;
+    *) echo "unknown part $part"; exit 2 ;;
+  esac
+done

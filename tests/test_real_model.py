@@ -1,0 +1,75 @@
+"""A real model (SmolLM2-135M-Instruct) through the training step, on CPU, on IFEval-format prompts
+(short replies that end at eos; its GSM8K replies run past any cap a CPU test can afford).
+
+Its tokenizer has pad = eos = <|im_end|> and its generation_config pads with eos: the case that
+once filled replies with runs of eos counted as reply tokens (kl_to_inference 1241 at step 1 on a
+GPU). Here a handful of replies go through the same code the scripts run.
+"""
+
+import pytest
+import torch
+
+from conftest import compose
+from grpo.envs import make_collector, make_env
+from grpo.inference import TransformersInference
+from grpo.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
+from grpo.rollouts import prepare_rollouts
+from grpo.trainer import GRPOObjective, make_optimizer, make_replay_buffer, make_scheduler, optimize_on_batch
+
+MAX_NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def real_step(real_model_dir):
+    cfg = compose("grpo_ifeval_tiny", [
+        f"model.name={real_model_dir}", "env.repeats=4", "env.num_envs=8", "train.dialog_turns_per_batch=8",
+        "train.optim_batch_size=8",
+        f"inference_model.max_new_tokens={MAX_NEW_TOKENS}", "optimizer.warmup_steps=1",
+    ])
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+    tok = load_tokenizer(cfg.model.name)
+    policy = load_policy_model(cfg, tok, cpu)
+    ref = load_reference_model(cfg, tok, cpu)
+    inference = TransformersInference(cfg, policy, tok, cpu)
+    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
+    rollouts = next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))).reshape(-1)
+    stop_ids = stop_token_ids(tok, policy.generation_config)
+    batch, stats = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids, ref_model=ref,
+                                    ref_device=cpu, micro_batch=8, kl_to_ref_coeff=cfg.train.kl_to_ref_coeff,
+                                    kl_in_reward=False)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    optimizer = make_optimizer(cfg, policy)
+    stats |= optimize_on_batch(make_replay_buffer(cfg, batch), GRPOObjective(cfg, policy), optimizer,
+                               make_scheduler(cfg, optimizer, 1), torch.amp.GradScaler(enabled=False), cfg, cpu, policy)
+    return tok, rollouts, batch, stats, before, policy
+
+
+def test_real_tokenizer_pads_apart_from_eos(real_step):
+    tok, *_ = real_step
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id != tok.eos_token_id
+
+
+def test_real_replies_end_at_eos_and_nothing_after_it_is_a_reply_token(real_step):
+    tok, rollouts, batch, stats, *_ = real_step
+    replies = [s["tokens", "response"] for s in rollouts.unbind(0)]
+    finished = [r for r in replies if r.numel() < MAX_NEW_TOKENS]
+    assert len(finished) >= len(replies) // 2, "most replies to one-sentence prompts end before the cap"
+    for r in finished:
+        assert int(r[-1]) == tok.eos_token_id and tok.eos_token_id not in r[:-1].tolist()
+    assert batch["reply_length"].tolist() == [r.numel() for r in replies]
+    assert stats["response_length"] == pytest.approx(sum(r.numel() for r in replies) / len(replies))
+    assert stats["response_truncated_fraction"] == pytest.approx(1 - len(finished) / len(replies))
+
+
+def test_real_sampler_and_trainer_agree_before_the_first_update(real_step):
+    *_, stats, _, _ = real_step
+    assert 0 <= stats["kl_to_inference_pre_update"] < 1e-3
+    assert stats["kl_to_ref"] < 1e-3  # the reference is the same weights before any update
+
+
+def test_real_one_optimiser_step_changes_the_weights(real_step):
+    *_, stats, before, policy = real_step
+    assert stats["optim_steps"] == 1 and stats["grad_norm"] > 0
+    moved = [float((p.detach() != before[n]).float().mean()) for n, p in policy.named_parameters()]
+    assert min(moved) > 0 and sum(moved) / len(moved) > 0.9
