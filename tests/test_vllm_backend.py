@@ -277,6 +277,14 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
     inf = make_inference(cfg, hf_model, tokenizer, torch.device("cpu"))
     try:
         assert type(inf).__name__ == "VLLMInference" and inf.version == 0
+        # the engine stops on the ids the trainer cuts replies at, and samples with top_k off
+        from grpo.models import stop_token_ids
+
+        stop_ids = stop_token_ids(tokenizer, hf_model.generation_config)
+        assert tokenizer.pad_token_id in stop_ids and tokenizer.eos_token_id in stop_ids
+        for policy in (inf.policy, inf.greedy_policy):
+            assert sorted(policy.sampling_params.stop_token_ids) == stop_ids
+        assert inf.policy.sampling_params.top_k in (0, -1)
         with set_list_to_stack(True):
             out = inf.policy(_histories(2))
             greedy = inf.greedy_policy(_histories(2))
