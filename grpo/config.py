@@ -9,6 +9,7 @@ class ConfigError(ValueError):
 
 def validate_config(cfg) -> None:
     from grpo.envs import TASK_ENVS
+    from grpo.rewards import ANSWER_EXTRACTIONS
 
     def need(ok: bool, message: str) -> None:
         if not ok:
@@ -53,7 +54,7 @@ def validate_config(cfg) -> None:
          "float32) or inference_model.dtype=bfloat16.")
     need(isinstance(im.top_k, int) and im.top_k >= 0, f"inference_model.top_k={im.top_k!r} must be a whole number "
          ">= 0 (0 = off: sample from the whole vocabulary).")
-    need(cfg.reward.answer_extraction in ("tag", "last_number"), f"reward.answer_extraction="
+    need(cfg.reward.answer_extraction in ANSWER_EXTRACTIONS, f"reward.answer_extraction="
          f"{cfg.reward.answer_extraction!r}; use tag (inside <answer>, strict) or last_number (the last number in the "
          "reply; <answer> still wins when present).")
     for key, value in (("inference_model.max_new_tokens", im.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens)):

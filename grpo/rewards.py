@@ -117,8 +117,7 @@ class GSM8KReward(GSM8KRewardParser):
         self._last_text: str | None = None
 
     def predicted_answer(self, text: str) -> tuple[str, str]:
-        """``(think content, predicted answer)`` of a reply under ``answer_extraction``."""
-        text = strip_trailing_special_tokens(text, self._specials)
+        """``(think content, predicted answer)`` of a reply (trailing special tokens already stripped)."""
         cot, tagged = GSM8KRewardParser.extract_tags(text)
         if self.answer_extraction == "tag" or _ANSWER_TAG.search(text):
             return cot, tagged
@@ -134,7 +133,7 @@ class GSM8KReward(GSM8KRewardParser):
         # The parent's _step calls this once per response, right before
         # _single_correctness_reward, which needs the whole text for the format check.
         self._last_text = strip_trailing_special_tokens(text, self._specials)
-        return self.predicted_answer(text)
+        return self.predicted_answer(self._last_text)
 
     def _single_correctness_reward(self, true_answer: str, potential_answer: str, cot: str) -> TensorDict:
         has_answer = self.has_answer(potential_answer)
