@@ -56,16 +56,15 @@ def decode_options(variant: str) -> dict:
     raise SystemExit(f"unknown variant {variant!r}")
 
 
-def sampler_trainer_gap(model, rollouts, tokenizer, device, stop_ids) -> float:
+def sampler_trainer_gap(model, rollouts, tokenizer, stop_ids) -> float:
     """Mean |sampler's log-prob - an eager teacher-forced forward's| per reply token: the
     ``trainer_sampler_log_ratio_abs`` the training step logs with truncated IS on."""
-    from grpo.rollouts import prepare_rollouts
+    from grpo.batch import to_training_batch
+    from grpo.step import score_replies
 
-    _, stats = prepare_rollouts(rollouts, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_ids,
-                                ref_model=None, ref_device=None,
-                                micro_batch=rollouts.numel(), kl_to_ref_coeff=0.0, kl_in_reward=False,
-                                policy_model=model, policy_device=device)
-    return stats["trainer_sampler_log_ratio_abs"]
+    batch = to_training_batch(rollouts, tokenizer.pad_token_id, stop_ids)
+    gap = (score_replies(batch, model, rollouts.numel()) - batch["behaviour_log_probs"]) * batch["reply_mask"]
+    return float(gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1))
 
 
 def main(argv=None) -> None:
@@ -74,9 +73,11 @@ def main(argv=None) -> None:
     from tensordict import set_list_to_stack
 
     from grpo.envs import make_collector, make_env
-    from grpo.models import (configure_attention_kernels, generate_kwargs, load_causal_lm, load_tokenizer,
-                             make_transformers_policy, stop_token_ids)
-    from grpo.setup import compose_config, resolve_local_paths
+    from grpo.generation import generate_kwargs
+    from grpo.inference import make_transformers_policy
+    from grpo.models import configure_attention_kernels, load_causal_lm, load_tokenizer, stop_token_ids
+    from grpo.setup import resolve_local_paths
+    from tools.compose import compose_config
 
     set_list_to_stack(True).set()
     model_dir = args.model
@@ -132,12 +133,12 @@ def main(argv=None) -> None:
             tokens.append(sum(int(r["tokens", "response"].shape[-1]) for r in rollouts.unbind(0)))
         # the sampler's log-probs against an eager teacher-forced forward of the same weights: the
         # compiled decode step must sample from the model the trainer scores
-        gap = sampler_trainer_gap(model, rollouts, tok, device, stop_ids)
+        gap = sampler_trainer_gap(model, rollouts, tok, stop_ids)
         # the optimiser updates weights in place; a compiled decode step must see the new values
         with torch.no_grad():
             for param in model.parameters():
                 param.add_(torch.randn_like(param) * 0.1 * param.float().std().to(param.dtype))
-        gap_after_update = sampler_trainer_gap(model, next(iterator).reshape(-1), tok, device, stop_ids)
+        gap_after_update = sampler_trainer_gap(model, next(iterator).reshape(-1), tok, stop_ids)
         rest = slice(1, None) if args.calls > 1 else slice(None)
         mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         row = {

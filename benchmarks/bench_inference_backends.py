@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     res["speedup_best"] = res["vllm_best_tok_s"] / res["transformers_best_tok_s"]
 
     # ---- weight update (trainer -> engine), same weights so outputs stay valid
-    upd = [push_weights(llm, hf_model) for _ in range(args.weight_updates)]
+    upd = [push_weights(llm, hf_model.state_dict()) for _ in range(args.weight_updates)]
     res["weight_update_s"] = statistics.median(upd)
     res["weight_update_mb"] = sum(
         t.numel() * t.element_size() for t in hf_model.state_dict().values()

@@ -210,7 +210,7 @@ class GreedyEvaluator:
 
     def __call__(self, model) -> dict:
         from grpo.evaluation import evaluate
-        from grpo.models import make_transformers_policy
+        from grpo.inference import make_transformers_policy
 
         was_training = model.training
         model.eval()
@@ -285,7 +285,7 @@ def trl_worker(spec: dict) -> None:
     from grpo.envs import GSM8KTaskEnv, load_gsm8k
     from grpo.rewards import is_well_formatted, numbers_match, reference_answer
     from grpo.setup import seed_everything
-    from grpo.tiny_model import build_prompt
+    from tools.tiny_model import build_prompt
 
     seed_everything(spec["seed"])
     out = Path(spec["workdir"]) / "trl"

@@ -1,4 +1,4 @@
-"""Checkpoints: trainable weights (or only LoRA adapters), optimiser, LR schedule, grad scaler,
+"""Checkpoints: trainable weights (or only LoRA adapters), optimiser, LR schedule,
 counters, RNG states and the resolved config, written atomically (temp file + rename)."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from grpo.errors import ResumeError
 
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.pt$")
 
@@ -36,7 +38,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, scaler, counters: dict,
+def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, counters: dict,
                     resolved_config: dict, extra: dict | None = None, keep_last: int | None = None) -> Path:
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,6 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, s
         "model": trainable_state_dict(model),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
         "counters": counters,
         "rng": rng_state(),
         "config": resolved_config,
@@ -81,18 +82,13 @@ def load_latest_good(ckpt_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
-def restore_training_state(payload: dict, *, model, optimizer, scheduler, scaler) -> None:
+def restore_training_state(payload: dict, *, model, optimizer, scheduler) -> None:
     missing, unexpected = model.load_state_dict(payload["model"], strict=False)
     if unexpected:
         raise RuntimeError(f"checkpoint holds weights this model lacks: {unexpected[:5]}")
     optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
-    scaler.load_state_dict(payload["scaler"])
     set_rng_state(payload["rng"])
-
-
-class ResumeError(ValueError):
-    """``resume=`` names nothing usable."""
 
 
 def find_checkpoint(resume: str, *, experiment_name: str, search_roots: list[Path]) -> tuple[Path, dict]:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
+from grpo.envs import TASK_ENVS
+from grpo.errors import ConfigError
+from grpo.rewards import ANSWER_EXTRACTIONS
 
 
 def validate_config(cfg) -> None:
-    from grpo.envs import TASK_ENVS
-    from grpo.rewards import ANSWER_EXTRACTIONS
-
     def need(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)

@@ -1,8 +1,11 @@
-"""Loading task data sets from a hub name or a local path.
+"""Task data: loading a split from a hub name or a local path, and the prompt stream's position.
 
 TorchRL's dataset envs call ``datasets.load_dataset(name, config)``, which only
 understands hub names (a local jsonl fails with ``BuilderConfig 'main' not found``).
 ``load_split`` accepts both, so runs work offline on the files the project ships.
+
+``PositionedLoader`` counts the prompt batches an env has drawn; a checkpoint stores that
+count (``data_position``) and a resumed run skips to it (``skip_to_position``).
 """
 
 from __future__ import annotations
@@ -10,12 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import datasets
+import torch
+from torch.utils.data import DataLoader
+from torchrl.envs import Compose
+from torchrl.envs.llm.transforms import DataLoadingPrimer
+
+from grpo.errors import DataError
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-class DataError(ValueError):
-    """A data set that cannot be used: missing, unreadable, or lacking fields."""
 
 
 def looks_local(name_or_path: str) -> bool:
@@ -30,6 +35,16 @@ def _split_file(folder: Path, split: str) -> Path | None:
         if candidate.exists():
             return candidate
     return None
+
+
+def _read_file(path: Path, key: str, name_or_path: str) -> datasets.Dataset:
+    try:
+        return datasets.load_dataset(LOCAL_SUFFIXES.get(path.suffix, "json"), data_files=str(path), split="train")
+    except Exception as err:  # datasets wraps the parser's error, whose message says what and where
+        reason = err.__cause__ or err
+        raise DataError(
+            f"{key}={name_or_path!r}: cannot read {path} ({type(reason).__name__}: {str(reason)[:200]})."
+        ) from err
 
 
 def load_split(
@@ -55,9 +70,9 @@ def load_split(
                 "folder) or a hub name such as openai/gsm8k."
             )
         if path.is_file():
-            ds = datasets.load_dataset(LOCAL_SUFFIXES.get(path.suffix, "json"), data_files=str(path), split="train")
+            ds = _read_file(path, key, name_or_path)
         elif (split_file := _split_file(path, split)) is not None:
-            ds = datasets.load_dataset(LOCAL_SUFFIXES[split_file.suffix], data_files=str(split_file), split="train")
+            ds = _read_file(split_file, key, name_or_path)
         elif (path / "dataset_dict.json").exists() or (path / "dataset_info.json").exists():
             loaded = datasets.load_from_disk(str(path))
             if isinstance(loaded, datasets.DatasetDict):
@@ -89,3 +104,50 @@ def load_split(
     if len(ds) == 0:
         raise DataError(f"{key}={name_or_path!r} split {split!r} is empty.")
     return ds
+
+
+class PositionedLoader:
+    """A seeded DataLoader that counts the batches it yields across epochs.
+
+    The count is the data position a checkpoint stores: a resumed run rebuilds the loader
+    with the same seed and skips that many batches, so it sees the same prompts in the same
+    order as a run that was never stopped.
+    """
+
+    def __init__(self, ds, *, seed, batch_size_dl, shuffle, collate_fn):
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        self.loader = DataLoader(ds, batch_size=batch_size_dl, shuffle=shuffle, collate_fn=collate_fn,
+                                 generator=generator)
+        self.position = 0
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.position += 1
+            yield batch
+
+    def __len__(self):
+        return len(self.loader)
+
+
+def data_primer(env) -> DataLoadingPrimer:
+    """The env's DataLoadingPrimer (the transform that draws prompts)."""
+    transforms = env.transform if isinstance(env.transform, Compose) else [env.transform]
+    return next(t for t in transforms if isinstance(t, DataLoadingPrimer))
+
+
+def data_position(env) -> int:
+    return data_primer(env).dataloader.position
+
+
+def skip_to_position(env, position: int) -> None:
+    """Advance a freshly built env's prompt stream to ``position`` batches drawn.
+
+    A new env has already drawn (and queued, ``repeats`` times) its first prompt while
+    building its specs; a checkpoint is taken with that queue empty (whole groups per
+    reset), so the queue is emptied before skipping.
+    """
+    primer = data_primer(env)
+    primer._queue.clear()
+    while primer.dataloader.position < position:
+        next(primer.endless_dataloader)

@@ -7,63 +7,15 @@ Each env is a ``DatasetChatEnv``: a reset draws prompts from the data set, repea
 
 from __future__ import annotations
 
-from torch.utils.data import DataLoader
-import torch
 from torchrl.collectors.llm import LLMCollector
-from torchrl.envs import Compose, StepCounter
-from torchrl.envs.llm.transforms import DataLoadingPrimer
+from torchrl.envs import StepCounter
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv
 from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 
-from grpo.data import DataError, load_split
+from grpo.data import PositionedLoader, load_split
+from grpo.errors import DataError
+from grpo.ifeval import load_ifeval_rows, make_ifeval_env
 from grpo.rewards import GSM8KReward
-
-
-class PositionedLoader:
-    """A seeded DataLoader that counts the batches it yields across epochs.
-
-    The count is the data position a checkpoint stores: a resumed run rebuilds the loader
-    with the same seed and skips that many batches, so it sees the same prompts in the same
-    order as a run that was never stopped.
-    """
-
-    def __init__(self, ds, *, seed, batch_size_dl, shuffle, collate_fn):
-        generator = torch.Generator()
-        generator.manual_seed(seed)
-        self.loader = DataLoader(ds, batch_size=batch_size_dl, shuffle=shuffle, collate_fn=collate_fn,
-                                 generator=generator)
-        self.position = 0
-
-    def __iter__(self):
-        for batch in self.loader:
-            self.position += 1
-            yield batch
-
-    def __len__(self):
-        return len(self.loader)
-
-
-def data_primer(env) -> DataLoadingPrimer:
-    """The env's DataLoadingPrimer (the transform that draws prompts)."""
-    transforms = env.transform if isinstance(env.transform, Compose) else [env.transform]
-    return next(t for t in transforms if isinstance(t, DataLoadingPrimer))
-
-
-def data_position(env) -> int:
-    return data_primer(env).dataloader.position
-
-
-def skip_to_position(env, position: int) -> None:
-    """Advance a freshly built env's prompt stream to ``position`` batches drawn.
-
-    A new env has already drawn (and queued, ``repeats`` times) its first prompt while
-    building its specs; a checkpoint is taken with that queue empty (whole groups per
-    reset), so the queue is emptied before skipping.
-    """
-    primer = data_primer(env)
-    primer._queue.clear()
-    while primer.dataloader.position < position:
-        next(primer.endless_dataloader)
 
 
 class GSM8KTaskEnv(DatasetChatEnv):
@@ -104,18 +56,12 @@ def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
 
 
 class IFEvalTask:
-    """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.ifeval)."""
+    """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.ifeval_checks)."""
 
-    @staticmethod
-    def load_split(dataset: str, split: str):
-        from grpo.ifeval import load_ifeval_rows
-
-        return load_ifeval_rows(dataset, split)  # validates every row's instruction ids and kwargs
+    load_split = staticmethod(load_ifeval_rows)  # validates every row's instruction ids and kwargs
 
     @staticmethod
     def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
-        from grpo.ifeval import make_ifeval_env
-
         return make_ifeval_env(cfg.env.dataset, split, tokenizer=tokenizer, weights=dict(cfg.reward.ifeval_weights),
                                num_envs=num_envs, repeats=repeats, seed=cfg.seed, shuffle=shuffle,
                                system_prompt=cfg.env.system_prompt)

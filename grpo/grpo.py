@@ -1,4 +1,4 @@
-"""Synchronous GRPO: collect a batch of grouped replies, then optimise on it, then push weights.
+"""Synchronous GRPO: collect a batch of grouped replies, optimise on it, push the weights, repeat.
 
     python grpo/grpo.py                               # GSM8K, Qwen2.5, vLLM (GPU)
     python grpo/grpo.py --config-name grpo_tiny       # embedded tiny model, CPU, minutes
@@ -15,42 +15,42 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import time  # noqa: E402
 
-import hydra  # noqa: E402
-from tensordict import set_list_to_stack  # noqa: E402
-
-from grpo.envs import make_collector  # noqa: E402
+from grpo.data import data_position, skip_to_position  # noqa: E402
+from grpo.envs import make_collector, make_env  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
-from grpo.setup import clear_errors  # noqa: E402
+from grpo.setup import hydra_main  # noqa: E402
 
 
 def train(cfg) -> TrainingRun:
-    run = TrainingRun(cfg, mode="sync")  # config checks, devices, models, envs, loss, optimiser, logger
-    collector = make_collector(run.env, run.inference.policy, cfg.train.dialog_turns_per_batch)
-    run.attach_collector(collector)                 # its pending prompts are checkpointed too
+    run = TrainingRun(cfg, inference_engines=1, dedicated_inference=False)  # checks, devices, models, GRPO step, logger
+    env = make_env(cfg, run.tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
+    collector = make_collector(env, run.inference.policy, cfg.train.dialog_turns_per_batch)
+    resume_prompt_stream(run.resume_payload, env, collector)
+    run.checkpoint_extras = lambda: {"data_position": data_position(env), "collector_shuttle": collector._shuttle}
     with run.guard():
         run.evaluate_if_due(force=True)
         batches = iter(collector)
         for step in run.steps():
             t0 = time.perf_counter()
-            batch = next(batches).reshape(-1)       # G replies for each prompt, with sampler log-probs
+            rollouts = next(batches).reshape(-1)    # G replies for each prompt, with sampler log-probs
             t_gen = time.perf_counter() - t0
-            samples, metrics = run.prepare(batch)   # dense batch: reference log-probs, KL, group advantages
-            metrics |= run.optimize(samples)        # epochs x shuffled minibatches of the clipped GRPO loss
-            metrics["weight_sync_s"] = run.inference.push_weights(run.policy_model)  # before the next collection
-            metrics |= {"generation_s": t_gen, "policy_version": run.inference.version}
-            run.log_step(step, metrics, t0)
+            metrics = run.train_on(rollouts)        # dense batch, reference and KL, advantages, clipped loss, optimiser
+            metrics["weight_sync_s"] = run.inference.push_weights(run.policy_model, run.policy_version)
+            run.log_step(step, metrics | {"generation_s": t_gen}, t0)
             run.evaluate_if_due()
             run.checkpoint_if_due()
     collector.shutdown()
     return run
 
 
-@hydra.main(version_base="1.3", config_path="../config", config_name="grpo_gsm8k")
-def main(cfg) -> None:
-    set_list_to_stack(True).set()
-    with clear_errors():
-        train(cfg)
+def resume_prompt_stream(payload: dict | None, env, collector) -> None:
+    """Continue the prompt stream where the checkpoint left it. LLMCollector resets the env right after
+    each step, so the next prompts are already drawn (its ``_shuttle``); a resumed run starts from
+    those, then from the same place in the data."""
+    if payload is not None:
+        collector._shuttle = payload["collector_shuttle"]
+        skip_to_position(env, payload["data_position"])
 
 
 if __name__ == "__main__":
-    main()
+    hydra_main(train)

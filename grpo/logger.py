@@ -26,8 +26,6 @@ class RunLogger:
         self.wandb = None
         if cfg.logger == "wandb":
             self.wandb = _start_wandb(cfg, self.run_dir, resolved_config, wandb_run_id)
-        elif cfg.logger != "none":
-            raise ValueError(f"logger={cfg.logger!r} is not one of wandb, none.")
 
     @property
     def wandb_run_id(self) -> str | None:

@@ -1,19 +1,14 @@
-"""Building the tokenizer, the policy (train), reference and inference models, and their TorchRL wrappers."""
+"""Loading the tokenizer and the models: the trained policy, the frozen reference, generation copies."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
-from torchrl.modules.llm import TransformersWrapper
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpo.data import looks_local
-
-
-class ModelLoadError(RuntimeError):
-    """The model or tokenizer named in the config cannot be loaded."""
+from grpo.errors import ModelLoadError
 
 
 def _check_model_name(name: str) -> None:
@@ -82,7 +77,7 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
     """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing.
 
     It stays in eval mode (no dropout: the ratio pi_theta / pi_old must be 1 before any update);
-    ``grpo.trainer.optimize_on_batch`` switches it to train mode only while it optimises, because
+    ``GRPOStep.optimize`` (grpo.step) switches it to train mode only while it optimises, because
     HF checkpoints activations only in train mode and, in train mode, ``generate`` drops its KV
     cache (a one-GPU run generates with this very object: it crashed, on CPU it produced garbage).
     """
@@ -101,44 +96,16 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
     return model.eval()
 
 
-def load_reference_model(cfg, tokenizer, device: torch.device):
-    """The starting policy, frozen: loaded from ``model.name`` again (also the base of LoRA runs).
+def load_reference_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):
+    """The starting policy, frozen: loaded from ``model.name`` again (also the base of LoRA runs),
+    split over the GPUs ``shard_over`` when it has several.
 
     Loading rather than copying the policy keeps it the *initial* model on resume, and works
     when the policy is split over several GPUs.
     """
-    ref = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device)
+    ref = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device,
+                         shard_over=shard_over)
     return ref.eval().requires_grad_(False)
-
-
-class GeneratingWrapper(TransformersWrapper):
-    """TorchRL's transformers wrapper with the first generated token's log-prob kept.
-
-    TorchRL 0.14.1 sets ``log_probs[:, 0] = 0`` in ``_log_probs_generate``: the first
-    response token then has behaviour log-prob 0 (probability 1), so its importance ratio
-    is pi_theta(token) instead of ~1 and it is always clipped. We compute every position.
-    """
-
-    def forward(self, tensordict, *args, **kwargs):
-        out = super().forward(tensordict, *args, **kwargs)
-        if self._device is None or torch.device(self._device).type == "cpu":
-            return out
-        # rollouts leave the accelerator right away: envs, rewards and buffers live on the CPU. The
-        # env's tensordicts have no device, so neither may this one (tensordict refuses to mix them).
-        return out.to("cpu").clear_device_()
-
-    @classmethod
-    def _log_probs_generate(cls, tokens, logits, pad_val=-100, pad=True):
-        if pad:
-            tokens = pad_sequence(tokens, padding_value=pad_val, batch_first=True, padding_side="left")
-            logits = pad_sequence(logits, padding_value=0.0, batch_first=True, padding_side="left")
-        valid = tokens != pad_val
-        index = tokens.clamp_min(0).unsqueeze(-1)
-        # one sample at a time: a [T, V] float32 slice instead of a [B, T, V] log-softmax (on a
-        # 151k vocabulary that whole tensor was the run's peak GPU memory)
-        log_probs = torch.stack([row.gather(-1, idx).squeeze(-1).float() - row.float().logsumexp(-1)
-                                 for row, idx in zip(logits, index)])
-        return torch.where(valid, log_probs, 0.0), logits
 
 
 def stop_token_ids(tokenizer, generation_config) -> list[int]:
@@ -152,85 +119,3 @@ def stop_token_ids(tokenizer, generation_config) -> list[int]:
     model_eos = getattr(generation_config, "eos_token_id", None)
     model_eos = [] if model_eos is None else [model_eos] if isinstance(model_eos, int) else list(model_eos)
     return sorted({tokenizer.eos_token_id, tokenizer.pad_token_id, *model_eos} - {None})
-
-
-def generate_kwargs(cfg, tokenizer, *, greedy: bool, max_new_tokens: int, stop_ids: list[int]) -> dict:
-    """``generate`` options for rollouts (sampled) or eval (greedy), with every sampling knob explicit.
-
-    ``pad_token_id`` is the tokenizer's: a model's ``generation_config`` may pad with another id
-    (SmolLM2 pads with its eos), and TorchRL strips only the tokenizer's pad from replies, so
-    finished replies came back followed by runs of eos that counted as reply tokens. ``top_k`` is
-    always passed: transformers' default of 50 would otherwise truncate the sampler silently.
-    """
-    common = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
-    if greedy:
-        return {**common, "do_sample": False}
-    im = cfg.inference_model
-    return {**common, "do_sample": True, "temperature": im.temperature, "top_p": im.top_p, "top_k": im.top_k}
-
-
-def compiled_decode_kwargs(cfg, model) -> dict:
-    """``generate`` options that put the decode step under ``torch.compile`` with CUDA graphs.
-
-    Eager decoding of a small model is bound by Python and kernel launches, not by the GPU: a 0.5B
-    model took about 20 ms a token for 64 replies on an H200. A static KV cache gives the step fixed shapes,
-    which lets transformers compile it ("reduce-overhead": one CUDA-graph replay per token; the
-    prefill stays eager). Only on a single CUDA device: transformers compiles nothing on CPU, and
-    a model split over GPUs (``hf_device_map``) is left eager. ``max_cache_len`` sizes the cache
-    once for the longest prompt plus reply, so longer prompts later reuse it instead of recompiling.
-    """
-    device = next(model.parameters()).device
-    if not cfg.inference_model.compile or device.type != "cuda" or len(set(getattr(model, "hf_device_map", {}).values())) > 1:
-        return {}
-    return {"cache_implementation": "static", "max_cache_len": cfg.inference_model.max_model_len}
-
-
-def make_transformers_policy(model, tokenizer, *, gen_kwargs: dict):
-    """Generation in history mode: chat prompts in, sampled replies plus their log-probs out."""
-    # TorchRL 0.14 refuses top_k=0 (transformers' "off") and silently drops the generate() options
-    # it does not know (cache_implementation, max_cache_len): it gets what it accepts, and
-    # generate() then gets every option as given.
-    policy = GeneratingWrapper(
-        model, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
-        pad_output=False, generate_kwargs={k: v for k, v in gen_kwargs.items() if (k, v) != ("top_k", 0)},
-        # without it the prompts stay on the CPU and sampling over the vocabulary runs there
-        device=next(model.parameters()).device,
-    )
-    policy.generate_kwargs.update(gen_kwargs)
-    return policy
-
-
-def reply_log_probs(model, batch, *, with_entropy: bool, entropy_grad: bool = True, forward=None
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[S, R]`` log pi(reply token | everything before it), and the per-token entropy if asked.
-
-    ``batch`` is the dense layout of ``grpo.rollouts`` (replies start at column ``P``). Only the
-    last ``R + 1`` positions go through the LM head (``logits_to_keep``): the prompt positions'
-    logits, which TorchRL's wrapper materialises over the whole vocabulary, are never needed.
-    ``entropy_grad=False`` keeps the full-vocabulary entropy out of the autograd graph (it is then
-    only logged), which saves its backward and its activations. ``forward`` replaces
-    ``token_log_probs`` (the trainer passes its compiled version).
-    """
-    forward = forward or token_log_probs
-    return forward(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
-                   with_entropy=with_entropy, entropy_grad=entropy_grad)
-
-
-def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width_r: int, *,
-                    with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``reply_log_probs`` on plain tensors: the region ``train_model.compile`` compiles."""
-    # positions count real tokens only, as in generation from left-padded prompts
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
-                   logits_to_keep=width_r + 1, use_cache=False).logits[:, :-1].float()
-    targets = input_ids[:, input_ids.shape[1] - width_r:].to(logits.device)
-    # log-softmax at the target only: the backward needs no [S, R, V] log-prob tensor
-    token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    # a model split over GPUs returns logits on its last one; the batch lives on the first
-    token_lp = token_lp.to(input_ids.device)
-    if not with_entropy:
-        return token_lp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        log_probs = logits.log_softmax(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return token_lp, entropy.to(input_ids.device)

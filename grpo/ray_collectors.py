@@ -1,4 +1,4 @@
-"""Rollout workers for async GRPO: Ray actors that keep generating while the trainer optimises.
+"""Async GRPO's rollout workers: Ray actors that keep generating while the trainer optimises.
 
 Each worker wraps TorchRL's ``LLMCollector`` over its own copy of the policy and puts whole
 batches (``env.num_envs`` replies = complete GRPO groups), stamped with the weights version
@@ -18,14 +18,16 @@ import torch
 from omegaconf import OmegaConf
 from ray.util.queue import Empty, Queue
 
-from grpo.inference import weights_checksum
+from tensordict import lazy_stack
+
+from grpo.generation import weights_checksum
 from grpo.models import torch_dtype
 from grpo.setup import ray_pythonpath
 
 
 @ray.remote(max_concurrency=2)  # one thread generates, the other receives weights and stop requests
 class RolloutWorker:
-    def __init__(self, cfg_dict: dict, worker_id: int, device: str):
+    def __init__(self, cfg_dict: dict, worker_id: int, device: str, stop_ids: list[int]):
         from tensordict import set_list_to_stack
 
         from grpo.envs import make_collector, make_env
@@ -42,13 +44,13 @@ class RolloutWorker:
         tokenizer = load_tokenizer(cfg.model.name)
         model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.inference_model.dtype, torch_device),
                                device=torch_device).eval().requires_grad_(False)
-        self.inference = make_inference(cfg, model, tokenizer, torch_device)
+        self.inference = make_inference(cfg, model, tokenizer, device=torch_device, stop_ids=stop_ids)
         env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
         self.collector = make_collector(env, self.inference.policy, cfg.env.num_envs)
         self._lock = threading.Lock()
         self._pending = None
         self._stop = False
-        self.stats = {"batches": 0, "replies": 0, "tokens": 0, "generation_s": 0.0, "put_wait_s": 0.0,
+        self.stats = {"batches": 0, "replies": 0, "tokens": 0, "put_wait_s": 0.0,
                       "weight_apply_s": 0.0, "version": 0, "pushes_verified": 0, "pushes_mismatched": 0}
 
     def set_weights(self, weights: dict, version: int, checksum: float) -> None:
@@ -65,20 +67,17 @@ class RolloutWorker:
         batches = iter(self.collector)
         while not self._stop:
             self._apply_pending_weights()
-            t0 = time.perf_counter()
             batch = next(batches).reshape(-1)
-            gen_s = time.perf_counter() - t0
             tokens = sum(s["tokens", "response"].shape[-1] for s in batch.unbind(0))
             version = self.inference.version
             t1 = time.perf_counter()
             while not self._stop:
                 try:
-                    queue.put((batch, version, self.worker_id, gen_s), timeout=1.0)
+                    queue.put((batch, version), timeout=1.0)
                     break
                 except Exception:  # ray's queue raises Full on timeout; retry so stop() is honoured
                     continue
             self.stats["put_wait_s"] += time.perf_counter() - t1
-            self.stats["generation_s"] += gen_s
             self.stats["batches"] += 1
             self.stats["replies"] += batch.numel()
             self.stats["tokens"] += tokens
@@ -97,14 +96,16 @@ class RolloutWorker:
 
 
 class CollectorError(RuntimeError):
-    """A rollout worker died or raised; the message carries its error."""
+    """A rollout worker died or raised; the message carries its error (not a UserError: its traceback
+    is the worker's, which the user needs)."""
 
 
 class RolloutPool:
     """Starts the workers, hands the trainer fresh batches, pushes weights, and watches worker health."""
 
-    def __init__(self, cfg, devices: list[str]):
+    def __init__(self, cfg, devices: list[torch.device], stop_ids: list[int]):
         self.cfg = cfg
+        self.batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         self.queue = Queue(maxsize=cfg.train.buffer_size)
         cfg_dict = OmegaConf.to_container(cfg, resolve=True)
@@ -112,14 +113,15 @@ class RolloutPool:
                                     # workers address GPUs by the allocation's logical ids
                                     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         self.workers = [
-            RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(cfg_dict, i, devices[i % len(devices)])
+            RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(cfg_dict, i, str(devices[i % len(devices)]), stop_ids)
             for i in range(cfg.train.num_collectors)
         ]
         self.runs = {w.run.remote(self.queue): i for i, w in enumerate(self.workers)}
         self.dropped_batches = 0
         self.dropped_replies = 0
         self.trainer_wait_s = 0.0
-        self.lags: list[int] = []
+        self.lags: list[int] = []  # of the batches handed out since the last step_metrics()
+        self._last_stats, self._last_stats_time = {}, time.perf_counter()
         self._push_thread: threading.Thread | None = None
         self._push_error: Exception | None = None
 
@@ -144,13 +146,18 @@ class RolloutPool:
                 raise CollectorError(f"rollout worker {i} failed: {err}") from err
         return results
 
-    def next_batch(self, trainer_version: int):
+    def next_rollouts(self, trainer_version: int):
+        """One step's rollouts: ``train.dialog_turns_per_batch`` replies in whole worker batches."""
+        batches = [self._next_batch(trainer_version) for _ in range(self.batches_per_step)]
+        return batches[0] if len(batches) == 1 else lazy_stack([s for b in batches for s in b.unbind(0)])
+
+    def _next_batch(self, trainer_version: int):
         """The next batch generated at most ``train.max_policy_lag`` optimiser steps ago."""
         t0 = time.perf_counter()
         while True:
             self.check_workers()
             try:
-                batch, version, _worker, _gen_s = self.queue.get(timeout=1.0)
+                batch, version = self.queue.get(timeout=1.0)
             except Empty:
                 continue
             lag = trainer_version - version
@@ -160,8 +167,7 @@ class RolloutPool:
                 continue
             self.trainer_wait_s += time.perf_counter() - t0
             self.lags.append(lag)
-            batch.set("policy_version", torch.full((batch.numel(),), version, dtype=torch.long))
-            return batch, lag
+            return batch
 
     def push_weights(self, weights: dict, version: int) -> float:
         """Hand new weights to every worker; returns the seconds the trainer was held up.
@@ -195,22 +201,26 @@ class RolloutPool:
             err, self._push_error = self._push_error, None
             raise err
 
-    def stats(self) -> dict:
-        """Cumulative pool statistics (the trainer logs deltas and rates from them)."""
+    def step_metrics(self) -> dict:
+        """Since the last call: the handed-out batches' policy lag, generation rates, waits and drops."""
         per_worker = self._get_all("get_stats")
+        now = {key: sum(w[key] for w in per_worker) for key in ("replies", "tokens", "put_wait_s", "weight_apply_s")}
+        now["trainer_wait_s"] = self.trainer_wait_s
+        delta = {key: value - self._last_stats.get(key, 0) for key, value in now.items()}
+        elapsed = time.perf_counter() - self._last_stats_time
+        lags, self.lags = self.lags, []
+        self._last_stats, self._last_stats_time = now, time.perf_counter()
         return {
-            "collector_replies": sum(s["replies"] for s in per_worker),
-            "collector_tokens": sum(s["tokens"] for s in per_worker),
-            "collector_generation_s": sum(s["generation_s"] for s in per_worker),
-            "collector_put_wait_s": sum(s["put_wait_s"] for s in per_worker),
-            "collector_weight_apply_s": sum(s["weight_apply_s"] for s in per_worker),
-            "collector_versions": [s["version"] for s in per_worker],
-            "weight_pushes_verified": sum(s["pushes_verified"] for s in per_worker),
-            "weight_pushes_mismatched": sum(s["pushes_mismatched"] for s in per_worker),
+            "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags),
+            "gen_samples_per_s": delta["replies"] / elapsed, "gen_tokens_per_s": delta["tokens"] / elapsed,
             "buffer_fill": self.queue.qsize(),
-            "dropped_stale_batches": self.dropped_batches,
-            "dropped_stale_replies": self.dropped_replies,
-            "trainer_wait_s": self.trainer_wait_s,
+            "dropped_stale_batches": self.dropped_batches, "dropped_stale_replies": self.dropped_replies,
+            "trainer_wait_s": delta["trainer_wait_s"],
+            "collector_wait_s": delta["put_wait_s"] + delta["weight_apply_s"],
+            "collector_weight_apply_s": delta["weight_apply_s"],
+            "collector_version_min": min(w["version"] for w in per_worker),
+            "weight_pushes_verified": sum(w["pushes_verified"] for w in per_worker),
+            "weight_pushes_mismatched": sum(w["pushes_mismatched"] for w in per_worker),
         }
 
     def shutdown(self) -> None:

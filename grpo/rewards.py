@@ -8,6 +8,8 @@ and replace only the scoring with a numeric comparison of the final number.
 Where the predicted answer is read is ``reward.answer_extraction``: ``tag`` (the text inside
 ``<answer>``, strict) or ``last_number`` (the ``<answer>`` text when the reply has one, else
 the last number anywhere in the reply), for models that never write the tags.
+
+``is_well_formatted`` is the format rule of every task (IFEval's ``format_ok`` is this rule too).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tensordict import TensorDict
 from torchrl.envs.llm import GSM8KRewardParser
 
 _NUMBER = re.compile(r"-?\$?\s*\d[\d,]*(?:\.\d+)?|-?\$?\s*\.\d+")
-_FORMAT = re.compile(r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$", re.DOTALL)
+_FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
 
 
 def parse_number(text: str) -> float | None:
@@ -48,8 +50,9 @@ def numbers_match(predicted: str, reference: str) -> bool:
 
 
 def is_well_formatted(response: str) -> bool:
-    """``<think>…</think>`` then ``<answer>…</answer>`` and nothing else."""
-    return bool(_FORMAT.match(response))
+    """``<think>…</think>`` then ``<answer>…</answer>``, with only whitespace around them: the format
+    rule of both tasks. The blocks' contents are not checked (a repeated block still passes)."""
+    return _FORMAT.fullmatch(response) is not None
 
 
 ANSWER_EXTRACTIONS = ("tag", "last_number")

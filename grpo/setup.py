@@ -1,32 +1,39 @@
-"""Start-of-run plumbing shared by both scripts: paths, seeds, signals and clear errors."""
+"""Start-of-run plumbing shared by both scripts: paths, seeds and signals."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
 import sys
 from pathlib import Path
 
+import hydra
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from tensordict import set_list_to_stack
+
+from grpo.errors import clear_errors
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def hydra_main(train) -> None:
+    """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default)."""
+
+    @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "config"), config_name="grpo_gsm8k")
+    def main(cfg) -> None:
+        set_list_to_stack(True).set()
+        with clear_errors():
+            train(cfg)
+
+    main()
 
 
 def ray_pythonpath() -> str:
     """PYTHONPATH for Ray workers: the repo (for ``grpo``) and whatever this process was given."""
     return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-
-
-def compose_config(config_name: str = "grpo_tiny", overrides: list[str] | None = None):
-    """The config as the scripts see it, for tests and benchmarks (Hydra compose, no run dir)."""
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO_ROOT / "config"), version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides or [])
 
 
 def resolve_local_paths(cfg) -> None:
@@ -76,19 +83,3 @@ class StopFlag:
     def raise_if_set(self) -> None:
         if self.signum is not None:
             raise StopRequested(self.signum)
-
-
-@contextlib.contextmanager
-def clear_errors():
-    """Configuration, data, model and device mistakes end the run with one message, not a traceback."""
-    from grpo.checkpoint import ResumeError
-    from grpo.config import ConfigError
-    from grpo.data import DataError
-    from grpo.devices import DeviceAllocationError
-    from grpo.models import ModelLoadError
-
-    try:
-        yield
-    except (ConfigError, DataError, DeviceAllocationError, ModelLoadError, ResumeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)

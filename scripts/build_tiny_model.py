@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     import transformers
 
-    from grpo import synthetic
-    from grpo import tiny_model as tm
+    from tools import synthetic
+    from tools import tiny_model as tm
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(args.threads)

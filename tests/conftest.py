@@ -8,7 +8,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest
 from tensordict import set_list_to_stack
 
-from grpo.setup import compose_config as compose  # noqa: F401 - the tests import it from here
+from tools.compose import compose_config as compose  # noqa: F401 - the tests import it from here
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = Path(os.environ.get("GRPO_TEST_MODEL", REPO / "assets" / "tiny-model"))

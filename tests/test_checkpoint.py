@@ -110,7 +110,7 @@ def _save(ckpt_dir, step, keep_last=None):
     opt = torch.optim.AdamW(model.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return save_checkpoint(ckpt_dir, step, model=model, optimizer=opt, scheduler=sched,
-                           scaler=torch.amp.GradScaler(enabled=False), counters={"step": step},
+                           counters={"step": step},
                            resolved_config={}, keep_last=keep_last)
 
 

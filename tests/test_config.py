@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from conftest import REPO, compose
-from grpo.config import ConfigError, validate_config
-from grpo.data import DataError
+from grpo.config import validate_config
+from grpo.errors import ConfigError, DataError
 from grpo.envs import TASK_ENVS
 
 CONFIG_NAMES = sorted(p.stem for p in (REPO / "config").glob("*.yaml"))

@@ -3,8 +3,9 @@ import json
 import datasets
 import pytest
 
-from grpo.data import DataError, load_split
+from grpo.data import PositionedLoader, data_position, load_split, skip_to_position
 from grpo.envs import load_gsm8k
+from grpo.errors import DataError
 
 ROWS = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
 
@@ -40,6 +41,12 @@ def test_missing_path_names_key_and_fix(tmp_path):
         load_split(str(tmp_path / "nope"), "train")
 
 
+def test_unreadable_file(tmp_path):
+    (tmp_path / "train.jsonl").write_text(json.dumps(ROWS[0]) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"env.dataset=.*cannot read .*train.jsonl .*JSON"):
+        load_split(str(tmp_path), "train")
+
+
 def test_missing_fields(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [{"q": "x"}])
     with pytest.raises(DataError, match=r"lacks field\(s\) \['question', 'answer'\]"):
@@ -57,3 +64,30 @@ def test_unknown_hub_dataset_offline(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="could not load split 'train' from the Hugging Face hub"):
         load_split("no-such-org/no-such-dataset", "train")
+
+
+def test_positioned_loader_counts_batches_across_epochs():
+    loader = PositionedLoader(list(range(5)), seed=3, batch_size_dl=2, shuffle=True, collate_fn=list)
+    first_epoch, second_epoch = list(loader), list(loader)
+    assert len(loader) == 3 and loader.position == 6
+    assert sorted(sum(first_epoch, [])) == list(range(5)) and first_epoch != second_epoch
+    same_seed = PositionedLoader(list(range(5)), seed=3, batch_size_dl=2, shuffle=True, collate_fn=list)
+    assert list(same_seed) == first_epoch
+
+
+def test_skip_to_position_continues_the_prompt_stream(tiny_data_dir, tiny_model_dir):
+    from grpo.envs import GSM8KTaskEnv
+    from grpo.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+
+    def build():
+        return GSM8KTaskEnv(dataset=str(tiny_data_dir), split="train", tokenizer=tokenizer, repeats=2, num_envs=2,
+                            seed=0)
+
+    straight = build()
+    rows = [straight.reset()["row_index"].tolist() for _ in range(3)]
+    resumed = build()
+    skip_to_position(resumed, 2)  # as a resume from a checkpoint taken after two resets
+    assert resumed.reset()["row_index"].tolist() == rows[2]
+    assert data_position(resumed) == data_position(straight) == 3

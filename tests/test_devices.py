@@ -1,417 +1,379 @@
-"""Table-driven tests for grpo.devices (no GPU needed: visible_gpus is passed explicitly)."""
+"""grpo.devices without a GPU: ``visible_gpus`` stands in for the machine."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import re
-from types import SimpleNamespace
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from omegaconf import OmegaConf
 
-from grpo.devices import DeviceAllocation, DeviceAllocationError, allocate_devices, physical_id, visible_gpu_ids
+from grpo import errors
+from grpo.devices import DeviceAllocation, allocate_devices
+from grpo.errors import DeviceAllocationError
 
 BASE = {
     "allow_cpu": False,
-    "train": {"use_kl_to_ref": True},
+    "train": {"use_kl_to_ref": True, "num_collectors": 1},
     "train_model": {"num_devices": None, "devices": None},
     "ref_model": {"num_devices": None, "devices": None, "colocate": False},
     "inference_model": {"num_devices": None, "devices": None, "colocate": False, "gpu_memory_utilization": 0.9},
 }
+SYNC, ASYNC = False, True  # dedicated_inference
 
 
-def make_cfg(*overrides: str):
-    """Base config + Hydra-style dotlist overrides (e.g. ``train_model.num_devices=2``)."""
-    return OmegaConf.merge(OmegaConf.create(BASE), OmegaConf.from_dotlist(list(overrides)))
+def make_cfg(*overrides: str, base: dict = BASE) -> dict:
+    """A plain-dict config: ``base`` plus Hydra-style overrides such as ``train_model.devices=[0,1]``."""
+    cfg = copy.deepcopy(base)
+    for override in overrides:
+        key, value = override.split("=", 1)
+        *path, last = key.split(".")
+        node = cfg
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)  # the value as Hydra reads it: null, true, 2, [0,1], 0.5
+    return cfg
 
 
-def check_invariants(a: DeviceAllocation, n: int, mode: str, cfg) -> None:
+def allocate(cfg, n, dedicated: bool) -> DeviceAllocation:
+    """As the scripts call it: sync starts one engine, async one per collector."""
+    engines = cfg["train"]["num_collectors"] if dedicated else 1
+    return allocate_devices(cfg, inference_engines=engines, dedicated_inference=dedicated, visible_gpus=n)
+
+
+def check_invariants(a: DeviceAllocation, n: int, dedicated: bool, cfg) -> None:
     if a.cpu:
-        assert a.train == a.ref == a.inference == []
-        assert not a.colocated
+        assert a.train == a.ref == a.inference == [] and not a.colocated
         return
-    visible = set(range(n))
+    t, r, i = set(a.train), set(a.ref), set(a.inference)
     for role in ("train", "ref", "inference"):
-        ids = getattr(a, role)
-        assert len(ids) == len(set(ids)), role
-        assert set(ids) <= visible, role
-        key = f"{role}_model"
-        if role == "ref" and not cfg.train.use_kl_to_ref:
+        ids, section = getattr(a, role), cfg[f"{role}_model"]
+        assert len(ids) == len(set(ids)) and set(ids) <= set(range(n)), role
+        if role == "ref" and not cfg["train"]["use_kl_to_ref"]:
             assert ids == []
             continue
         assert ids, role
-        if cfg[key].devices is not None:
-            assert ids == list(cfg[key].devices), role
-        elif cfg[key].num_devices is not None:
-            assert len(ids) == cfg[key].num_devices, role
-    shared = set(a.train) & set(a.inference)
-    assert a.colocated == bool(shared)
-    if mode == "async":
-        assert not shared
+        if section["devices"] is not None:
+            assert ids == list(section["devices"]), role
+        elif section["num_devices"] is not None:
+            assert len(ids) == section["num_devices"], role
+    assert a.colocated == bool(t & i)
+    if dedicated:
+        assert not t & i
+    elif n >= 2 and not cfg["inference_model"]["colocate"]:
+        assert not t & i
+    assert len(i) <= (cfg["train"]["num_collectors"] if dedicated else 1)  # no idle inference GPU
+    assert r & i <= t  # ref never on an inference-only GPU
+    if r & t and n >= 2 and not cfg["ref_model"]["colocate"]:  # only the "no free GPU left" fallback
+        assert cfg["ref_model"]["num_devices"] is None and cfg["ref_model"]["devices"] is None
+        assert set(range(n)) <= t | i
     assert a.torch_device("train") == torch.device("cuda", a.train[0])
     assert a.torch_device("inference") == torch.device("cuda", a.inference[0])
 
 
-# id, visible, mode, overrides, expected (train, ref, inference), colocated
+# id, visible GPUs, dedicated_inference, overrides, expected (train, ref, inference), colocated
 OK_CASES = [
-    # -- 0 GPUs ----------------------------------------------------------------
-    ("0gpu-sync-cpu", 0, "sync", ["allow_cpu=true"], ([], [], []), False),
-    ("0gpu-async-cpu", 0, "async", ["allow_cpu=true"], ([], [], []), False),
-    ("0gpu-cpu-ignores-num", 0, "sync", ["allow_cpu=true", "train_model.num_devices=2"], ([], [], []), False),
-    ("0gpu-cpu-ignores-devices", 0, "async", ["allow_cpu=true", "inference_model.devices=[3]"], ([], [], []), False),
-    # -- 1 GPU -----------------------------------------------------------------
-    ("1gpu-sync-defaults", 1, "sync", [], ([0], [0], [0]), True),
-    ("1gpu-sync-ref-colocate", 1, "sync", ["ref_model.colocate=true"], ([0], [0], [0]), True),
-    ("1gpu-sync-no-kl", 1, "sync", ["train.use_kl_to_ref=false"], ([0], [], [0]), True),
-    ("1gpu-sync-num1-all", 1, "sync",
-     ["train_model.num_devices=1", "inference_model.num_devices=1", "ref_model.num_devices=1"], ([0], [0], [0]), True),
-    ("1gpu-sync-explicit-all", 1, "sync",
-     ["train_model.devices=[0]", "inference_model.devices=[0]", "ref_model.devices=[0]"], ([0], [0], [0]), True),
-    ("1gpu-sync-allow-cpu-ignored", 1, "sync", ["allow_cpu=true"], ([0], [0], [0]), True),
-    # -- 2 GPUs ----------------------------------------------------------------
-    ("2gpu-sync-defaults", 2, "sync", [], ([0], [0], [1]), False),
-    ("2gpu-async-defaults", 2, "async", [], ([0], [0], [1]), False),
-    ("2gpu-sync-ref-colocate", 2, "sync", ["ref_model.colocate=true"], ([0], [0], [1]), False),
-    ("2gpu-sync-inf-colocate", 2, "sync", ["inference_model.colocate=true"], ([0], [1], [0]), True),
-    ("2gpu-sync-explicit-share", 2, "sync",
+    ("0gpu-sync-cpu", 0, SYNC, ["allow_cpu=true"], ([], [], []), False),
+    ("0gpu-async-cpu-ignores-placement", 0, ASYNC, ["allow_cpu=true", "inference_model.devices=[3]"],
+     ([], [], []), False),
+    ("1gpu-sync-all-share", 1, SYNC, [], ([0], [0], [0]), True),
+    ("1gpu-sync-no-kl", 1, SYNC, ["train.use_kl_to_ref=false"], ([0], [], [0]), True),
+    ("1gpu-sync-explicit", 1, SYNC, ["train_model.devices=[0]", "inference_model.devices=[0]", "ref_model.devices=[0]"],
+     ([0], [0], [0]), True),
+    ("1gpu-sync-ref-num1", 1, SYNC, ["ref_model.num_devices=1"], ([0], [0], [0]), True),
+    ("2gpu-sync-defaults", 2, SYNC, [], ([0], [0], [1]), False),
+    ("2gpu-async-defaults", 2, ASYNC, [], ([0], [0], [1]), False),
+    ("2gpu-sync-inf-colocate", 2, SYNC, ["inference_model.colocate=true"], ([0], [1], [0]), True),
+    ("2gpu-sync-explicit-share", 2, SYNC,
      ["train_model.devices=[0]", "inference_model.devices=[0]", "inference_model.colocate=true"],
      ([0], [1], [0]), True),
-    ("2gpu-sync-explicit-swap", 2, "sync", ["train_model.devices=[1]", "inference_model.devices=[0]"],
+    ("2gpu-async-explicit-swap", 2, ASYNC, ["train_model.devices=[1]", "inference_model.devices=[0]"],
      ([1], [1], [0]), False),
-    ("2gpu-async-explicit-swap", 2, "async", ["train_model.devices=[1]", "inference_model.devices=[0]"],
-     ([1], [1], [0]), False),
-    ("2gpu-async-no-kl", 2, "async", ["train.use_kl_to_ref=false"], ([0], [], [1]), False),
-    ("2gpu-async-inference-first", 2, "async", ["inference_model.devices=[0]"], ([1], [1], [0]), False),
-    # -- 3 GPUs ----------------------------------------------------------------
-    ("3gpu-sync-defaults", 3, "sync", [], ([0], [2], [1]), False),
-    ("3gpu-async-defaults", 3, "async", [], ([0], [2], [1]), False),
-    ("3gpu-async-ref-colocate", 3, "async", ["ref_model.colocate=true"], ([0], [0], [1]), False),
-    ("3gpu-sync-train2", 3, "sync", ["train_model.num_devices=2"], ([0, 1], [0, 1], [2]), False),
-    ("3gpu-async-inf2", 3, "async", ["inference_model.num_devices=2"], ([0], [0], [1, 2]), False),
-    ("3gpu-sync-ref-explicit", 3, "sync", ["ref_model.devices=[0]"], ([1], [0], [2]), False),
-    ("3gpu-async-no-kl-train2", 3, "async", ["train.use_kl_to_ref=false", "train_model.num_devices=2"],
-     ([0, 1], [], [2]), False),
-    # -- 4 GPUs ----------------------------------------------------------------
-    ("4gpu-sync-2-1-1", 4, "sync",
-     ["train_model.num_devices=2", "ref_model.num_devices=1", "inference_model.num_devices=1"],
-     ([0, 1], [3], [2]), False),
-    ("4gpu-async-2-1-1", 4, "async",
-     ["train_model.num_devices=2", "ref_model.num_devices=1", "inference_model.num_devices=1"],
-     ([0, 1], [3], [2]), False),
-    ("4gpu-sync-2-1-1-explicit", 4, "sync",
+    ("2gpu-async-inference-claims-first", 2, ASYNC, ["inference_model.devices=[0]"], ([1], [1], [0]), False),
+    ("2gpu-async-no-kl", 2, ASYNC, ["train.use_kl_to_ref=false"], ([0], [], [1]), False),
+    ("3gpu-sync-ref-free-gpu", 3, SYNC, [], ([0], [2], [1]), False),
+    ("3gpu-async-ref-colocate", 3, ASYNC, ["ref_model.colocate=true"], ([0], [0], [1]), False),
+    ("3gpu-sync-train2-ref-falls-back", 3, SYNC, ["train_model.num_devices=2"], ([0, 1], [0, 1], [2]), False),
+    ("3gpu-sync-ref-explicit", 3, SYNC, ["ref_model.devices=[0]"], ([1], [0], [2]), False),
+    ("3gpu-async-2-engines", 3, ASYNC, ["inference_model.num_devices=2", "train.num_collectors=2"],
+     ([0], [0], [1, 2]), False),
+    ("3gpu-async-engines-share-a-gpu", 3, ASYNC, ["inference_model.num_devices=2", "train.num_collectors=5"],
+     ([0], [0], [1, 2]), False),
+    ("4gpu-sync-2-1-1", 4, SYNC, ["train_model.num_devices=2", "ref_model.num_devices=1"], ([0, 1], [3], [2]), False),
+    ("4gpu-async-explicit", 4, ASYNC,
      ["train_model.devices=[0,1]", "ref_model.devices=[2]", "inference_model.devices=[3]"], ([0, 1], [2], [3]), False),
-    ("4gpu-async-2-1-1-explicit", 4, "async",
-     ["train_model.devices=[0,1]", "ref_model.devices=[2]", "inference_model.devices=[3]"], ([0, 1], [2], [3]), False),
-    ("4gpu-async-2-coloc-2", 4, "async",
-     ["train_model.num_devices=2", "ref_model.colocate=true", "inference_model.num_devices=2"],
-     ([0, 1], [0, 1], [2, 3]), False),
-    ("4gpu-sync-ref-colocate-num1", 4, "sync", ["train_model.num_devices=2", "ref_model.colocate=true",
-                                                 "ref_model.num_devices=1"], ([0, 1], [0], [2]), False),
-    ("4gpu-sync-train3-inf-colocate", 4, "sync", ["train_model.num_devices=3", "inference_model.colocate=true"],
+    ("4gpu-sync-ref-colocate-num1", 4, SYNC,
+     ["train_model.num_devices=2", "ref_model.colocate=true", "ref_model.num_devices=1"], ([0, 1], [0], [2]), False),
+    ("4gpu-sync-train3-inf-colocate", 4, SYNC, ["train_model.num_devices=3", "inference_model.colocate=true"],
      ([0, 1, 2], [3], [0]), True),
-    ("4gpu-async-mixed", 4, "async", ["train_model.num_devices=2", "inference_model.devices=[0]"],
-     ([1, 2], [3], [0]), False),
-    ("4gpu-sync-no-kl-ref-ignored", 4, "sync",
+    ("4gpu-sync-no-kl-ref-keys-ignored", 4, SYNC,
      ["train.use_kl_to_ref=false", "ref_model.num_devices=1", "ref_model.devices=[0]"], ([0], [], [1]), False),
-    # -- 8 GPUs ----------------------------------------------------------------
-    ("8gpu-async-4-2-2", 8, "async",
-     ["train_model.num_devices=4", "ref_model.num_devices=2", "inference_model.num_devices=2"],
+    ("8gpu-async-4-2-2", 8, ASYNC,
+     ["train_model.num_devices=4", "ref_model.num_devices=2", "inference_model.num_devices=2",
+      "train.num_collectors=2"],
      ([0, 1, 2, 3], [6, 7], [4, 5]), False),
-    ("8gpu-sync-4-2-2", 8, "sync",
-     ["train_model.num_devices=4", "ref_model.num_devices=2", "inference_model.num_devices=2"],
-     ([0, 1, 2, 3], [6, 7], [4, 5]), False),
-    ("8gpu-sync-6-coloc-2", 8, "sync",
-     ["train_model.num_devices=6", "ref_model.colocate=true", "inference_model.num_devices=2"],
-     (list(range(6)), list(range(6)), [6, 7]), False),
-    ("8gpu-async-explicit-inf", 8, "async",
-     ["train_model.num_devices=4", "ref_model.num_devices=2", "inference_model.devices=[6,7]"],
-     ([0, 1, 2, 3], [4, 5], [6, 7]), False),
-    ("8gpu-async-explicit-train-high", 8, "async", ["train_model.devices=[4,5,6,7]", "inference_model.num_devices=2"],
-     ([4, 5, 6, 7], [2], [0, 1]), False),
-    ("8gpu-async-no-kl-7-1", 8, "async", ["train.use_kl_to_ref=false", "train_model.num_devices=7"],
-     (list(range(7)), [], [7]), False),
-    ("8gpu-sync-all-train-inf-colocate", 8, "sync", ["train_model.num_devices=8", "inference_model.colocate=true"],
+    ("8gpu-async-explicit-train-high", 8, ASYNC, ["train_model.devices=[4,5,6,7]", "inference_model.num_devices=2",
+                                                  "train.num_collectors=2"], ([4, 5, 6, 7], [2], [0, 1]), False),
+    ("8gpu-sync-all-train-inf-colocate", 8, SYNC, ["train_model.num_devices=8", "inference_model.colocate=true"],
      (list(range(8)), list(range(8)), [0]), True),
-    ("8gpu-async-defaults", 8, "async", [], ([0], [2], [1]), False),
 ]
 
 
-@pytest.mark.parametrize(
-    "n,mode,overrides,expected,colocated",
-    [c[1:] for c in OK_CASES],
-    ids=[c[0] for c in OK_CASES],
-)
-def test_allocation(n, mode, overrides, expected, colocated):
+@pytest.mark.parametrize("n,dedicated,overrides,expected,colocated", [c[1:] for c in OK_CASES],
+                         ids=[c[0] for c in OK_CASES])
+def test_allocation(n, dedicated, overrides, expected, colocated):
     cfg = make_cfg(*overrides)
-    a = allocate_devices(cfg, visible_gpus=n, mode=mode)
+    a = allocate(cfg, n, dedicated)
     assert (a.train, a.ref, a.inference) == expected
-    assert a.colocated is colocated
-    assert a.cpu is (n == 0)
-    assert a.mode == mode and a.num_visible == n
-    assert a.ref_enabled is bool(cfg.train.use_kl_to_ref)
-    check_invariants(a, n, mode, cfg)
-    # same result with an explicit id list
-    b = allocate_devices(cfg, visible_gpus=list(range(n)), mode=mode)
-    assert (b.train, b.ref, b.inference) == expected
-    # logging helpers work everywhere
-    json.dumps(a.as_dict())
-    text = a.describe()
-    assert f"mode={mode}" in text
-    if not a.cpu:
-        for role in ("train", "ref", "inference"):
-            assert role in text
+    assert a.colocated is colocated and a.cpu is (n == 0) and a.num_visible == n
+    check_invariants(a, n, dedicated, cfg)
+    b = allocate_devices(cfg, inference_engines=8, dedicated_inference=dedicated, visible_gpus=list(range(n)))
+    assert (b.train, b.ref, b.inference) == expected  # an id list is the same machine; spare engines change nothing
+    dict_config = OmegaConf.create(cfg)
+    OmegaConf.set_struct(dict_config, True)  # as Hydra hands it over
+    assert allocate(dict_config, n, dedicated) == a
 
 
-# id, visible, mode, overrides, substrings the message must contain, fix (dotlist override; "mode=sync" switches mode)
+def fix_options(msg: str, dedicated: bool) -> list[list[str]]:
+    """The Hydra overrides of each alternative after ``Fix:`` (prose-only alternatives dropped)."""
+    options = []
+    for option in msg.split("Fix: ", 1)[1].split(" or "):
+        if "async script" in option and not dedicated:
+            continue  # a switch of script, not an override of this one
+        overrides = [o.rstrip(",") for o in re.findall(r"[\w.]+=\S+", option)]
+        if overrides:
+            options.append(overrides)
+    return options
+
+
+# id, visible GPUs, dedicated_inference, overrides, text the message must hold, the fix the test applies
+# ("sync" = run the sync script)
 ERR_CASES = [
-    ("0gpu-sync-no-cpu", 0, "sync", [], ["train_model", "0 GPUs"], "allow_cpu=true"),
-    ("0gpu-async-no-cpu", 0, "async", [], ["inference_model", "0 GPUs"], "allow_cpu=true"),
-    ("1gpu-async", 1, "async", [], ["train_model", "inference_model", ">= 2 GPUs", "sync script"], "mode=sync"),
-    ("1gpu-sync-train2", 1, "sync", ["train_model.num_devices=2"], ["train_model"], "train_model.num_devices=1"),
-    ("1gpu-sync-inf2", 1, "sync", ["inference_model.num_devices=2"], ["inference_model"],
-     "inference_model.num_devices=1"),
-    ("1gpu-sync-devices-out-of-range", 1, "sync", ["train_model.devices=[1]"], ["train_model", "[1]", "out of range"],
-     "train_model.devices=[0]"),
-    ("2gpu-async-inf-colocate", 2, "async", ["inference_model.colocate=true"], ["inference_model", "async"],
+    ("0gpu-no-cpu", 0, SYNC, [], ["No GPU visible"], "allow_cpu=true"),
+    ("1gpu-async", 1, ASYNC, [], ["async script", "1 GPU(s) visible", "sync script"], "sync"),
+    ("2gpu-async-inf-colocate", 2, ASYNC, ["inference_model.colocate=true"], ["never"],
      "inference_model.colocate=false"),
-    ("2gpu-sync-share-without-colocate", 2, "sync", ["train_model.devices=[0]", "inference_model.devices=[0]"],
-     ["train_model", "inference_model", "[0]"], "inference_model.colocate=true"),
-    ("2gpu-async-share", 2, "async", ["train_model.devices=[0]", "inference_model.devices=[0]"],
-     ["train_model", "inference_model", "[0]", "never share"], "inference_model.devices=[1]"),
-    ("2gpu-async-share-even-with-both-lists", 2, "async", ["train_model.devices=[0,1]", "inference_model.devices=[1]"],
-     ["train_model", "inference_model", "[1]"], "train_model.devices=[0]"),
-    ("2gpu-sync-train-takes-all", 2, "sync", ["train_model.num_devices=2"], ["inference_model", "train_model=[0,1]"],
-     "inference_model.colocate=true"),
-    ("2gpu-sync-train-takes-all-shrink", 2, "sync", ["train_model.num_devices=2"], ["inference_model"],
-     "train_model.num_devices=1"),
-    ("2gpu-async-train-takes-all", 2, "async", ["train_model.num_devices=2"], ["inference_model", "async"],
-     "train_model.num_devices=1"),
-    ("2gpu-sync-ref-on-train", 2, "sync", ["train_model.devices=[0]", "ref_model.devices=[0]"],
-     ["ref_model", "train_model", "[0]"], "ref_model.colocate=true"),
-    ("2gpu-sync-ref-claims-first", 2, "sync", ["ref_model.devices=[0]"], ["inference_model", "ref_model=[0]"],
-     "ref_model.devices=null"),
-    ("2gpu-async-ref-claims-inference-gpu", 2, "async", ["ref_model.devices=[1]"], ["inference_model", "ref_model=[1]"],
-     "ref_model.devices=null"),
-    ("2gpu-sync-ref-on-inference", 2, "sync",
-     ["train_model.devices=[0]", "ref_model.devices=[1]", "inference_model.devices=[1]"],
-     ["ref_model", "inference_model", "[1]"], "ref_model.devices=null"),
-    ("2gpu-sync-ref-num-short", 2, "sync", ["ref_model.num_devices=1"], ["ref_model"], "ref_model.colocate=true"),
-    ("3gpu-both-keys-train", 3, "sync", ["train_model.num_devices=1", "train_model.devices=[0]"],
-     ["train_model", "exclusive"], "train_model.num_devices=null"),
-    ("3gpu-both-keys-inference", 3, "async", ["inference_model.num_devices=1", "inference_model.devices=[2]"],
-     ["inference_model", "exclusive"], "inference_model.devices=null"),
-    ("3gpu-both-keys-ref", 3, "sync", ["ref_model.num_devices=1", "ref_model.devices=[2]"],
-     ["ref_model", "exclusive"], "ref_model.num_devices=null"),
-    ("3gpu-num0-train", 3, "sync", ["train_model.num_devices=0"], ["train_model", ">= 1"], "train_model.num_devices=1"),
-    ("3gpu-neg-inference", 3, "async", ["inference_model.num_devices=-1"], ["inference_model", ">= 1"],
-     "inference_model.num_devices=1"),
-    ("3gpu-num0-ref", 3, "sync", ["ref_model.num_devices=0"], ["ref_model", ">= 1"], "ref_model.num_devices=1"),
-    ("3gpu-dup-devices", 3, "sync", ["train_model.devices=[0,0]"], ["train_model", "more than once"],
-     "train_model.devices=[0]"),
-    ("3gpu-empty-devices", 3, "sync", ["inference_model.devices=[]"], ["inference_model"],
-     "inference_model.devices=null"),
-    ("3gpu-ref-colocate-too-many", 3, "sync",
-     ["ref_model.colocate=true", "ref_model.num_devices=2"], ["ref_model", "train_model"], "ref_model.num_devices=1"),
-    ("4gpu-out-of-range-inference", 4, "async", ["inference_model.devices=[4]"], ["inference_model", "[4]"],
-     "inference_model.devices=[0]"),
-    ("4gpu-sync-train5", 4, "sync", ["train_model.num_devices=5"], ["train_model", "requests 5"],
-     "train_model.num_devices=3"),
-    ("4gpu-async-train4", 4, "async", ["train_model.num_devices=4"], ["inference_model", "train_model=[0,1,2,3]"],
-     "train_model.num_devices=3"),
-    ("4gpu-sync-2-2-ref1", 4, "sync",
-     ["train_model.num_devices=2", "inference_model.num_devices=2", "ref_model.num_devices=1"],
-     ["ref_model", "train_model=[0,1]", "inference_model=[2,3]"], "ref_model.colocate=true"),
-    ("4gpu-inf-colocate-too-many", 4, "sync", ["inference_model.colocate=true", "inference_model.num_devices=2"],
-     ["inference_model", "train_model"], "train_model.num_devices=2"),
-    ("4gpu-gpu-mem-util", 4, "sync", ["inference_model.gpu_memory_utilization=1.5"], ["inference_model"],
+    ("both-keys", 3, SYNC, ["train_model.num_devices=1", "train_model.devices=[0]"], ["exclusive"],
+     "train_model.devices=null"),
+    ("num0", 3, SYNC, ["ref_model.num_devices=0"], ["ref_model.num_devices=0", ">= 1"], "ref_model.num_devices=1"),
+    ("num-not-int", 3, ASYNC, ["inference_model.num_devices=two"], ["'two'"], "inference_model.num_devices=1"),
+    ("devices-not-list", 3, SYNC, ["train_model.devices=0"], ["list of GPU ids"], "train_model.devices=null"),
+    ("devices-empty", 3, SYNC, ["inference_model.devices=[]"], ["non-empty"], "inference_model.devices=null"),
+    ("devices-dup", 3, SYNC, ["train_model.devices=[0,0]"], ["twice"], "train_model.devices=[0]"),
+    ("colocate-not-bool", 3, SYNC, ["ref_model.colocate=maybe"], ["true or false"], "ref_model.colocate=false"),
+    ("kl-not-bool", 3, SYNC, ["train.use_kl_to_ref=1"], ["train.use_kl_to_ref"], "train.use_kl_to_ref=true"),
+    ("gpu-mem-util", 2, SYNC, ["inference_model.gpu_memory_utilization=1.5"], ["(0, 1]"],
      "inference_model.gpu_memory_utilization=0.5"),
-    ("8gpu-async-overlap", 8, "async", ["train_model.devices=[0,1,2,3]", "inference_model.devices=[3,4,5,6,7]"],
-     ["train_model", "inference_model", "[3]"], "inference_model.devices=[4,5,6,7]"),
-    ("8gpu-async-overlap-shrink-train", 8, "async",
-     ["train_model.devices=[0,1,2,3]", "inference_model.devices=[3,4,5,6,7]"], ["train_model"],
-     "train_model.devices=[0,1,2]"),
-    ("3gpu-async-overlap-swap", 3, "async", ["train_model.devices=[0,1]", "inference_model.devices=[1]"],
-     ["train_model", "inference_model", "[1]"], "inference_model.devices=[2]"),
-    ("8gpu-async-inference9", 8, "async", ["inference_model.num_devices=9"], ["inference_model", "requests 9"],
-     "inference_model.num_devices=7"),
-    ("8gpu-sync-ref-explicit-overlap", 8, "sync", ["train_model.devices=[0,1,2,3]", "ref_model.devices=[3,4]"],
-     ["ref_model", "train_model", "[3]"], "ref_model.colocate=true"),
-    ("8gpu-async-train-all-explicit", 8, "async", ["train_model.devices=[0,1,2,3,4,5,6,7]"],
-     ["inference_model", "train_model=[0,1,2,3,4,5,6,7]"], "train_model.devices=[0,1,2,3,4,5,6]"),
+    ("out-of-range", 2, SYNC, ["train_model.devices=[1,2]"], ["[2]", "2 GPU(s) visible"], "train_model.devices=[1]"),
+    ("out-of-range-null", 4, ASYNC, ["inference_model.devices=[4]"], ["[4]"], "inference_model.devices=null"),
+    # one engine per inference GPU
+    ("sync-inference2", 2, SYNC, ["inference_model.num_devices=2"], ["one engine on one GPU", "1 would idle",
+                                                                    "async script with train.num_collectors=2"],
+     "inference_model.num_devices=1"),
+    ("sync-inference-devices2", 3, SYNC, ["inference_model.devices=[1,2]"], ["one engine"],
+     "inference_model.devices=[1]"),
+    ("async-inference2-1-collector", 3, ASYNC, ["inference_model.num_devices=2"], ["train.num_collectors=1", "idle"],
+     "inference_model.num_devices=1"),
+    ("async-inference2-more-collectors", 3, ASYNC, ["inference_model.num_devices=2"], ["idle"],
+     "train.num_collectors=2"),
+    # explicit lists that overlap
+    ("sync-share-without-colocate", 2, SYNC, ["train_model.devices=[0]", "inference_model.devices=[0]"],
+     ["share GPU(s) [0]"], "inference_model.colocate=true"),
+    ("async-share", 2, ASYNC, ["train_model.devices=[0]", "inference_model.devices=[0]"], ["never shares"],
+     "inference_model.devices=null"),
+    ("async-share-shrink-train", 2, ASYNC, ["train_model.devices=[0,1]", "inference_model.devices=[1]"], ["[1]"],
+     "train_model.devices=[0]"),
+    ("async-share-swap", 8, ASYNC, ["train_model.devices=[0,1,2,3]", "inference_model.devices=[3,4]",
+                                    "train.num_collectors=2"], ["[3]"], "inference_model.devices=[4]"),
+    ("ref-on-train", 2, SYNC, ["train_model.devices=[0]", "ref_model.devices=[0]"], ["ref_model.colocate=true"],
+     "ref_model.colocate=true"),
+    ("ref-on-train-null", 3, ASYNC, ["train_model.devices=[0,1]", "ref_model.devices=[1]"], ["[1]"],
+     "ref_model.devices=null"),
+    ("ref-on-inference", 2, SYNC, ["train_model.devices=[0]", "ref_model.devices=[1]", "inference_model.devices=[1]"],
+     ["only share the train GPUs"], "ref_model.devices=null"),
+    # not enough GPUs for the num_devices requests
+    ("train-more-than-visible", 4, SYNC, ["train_model.num_devices=5"], ["train_model needs 5", "4 are unclaimed"],
+     "train_model.num_devices=3"),
+    ("sync-train-takes-all", 2, SYNC, ["train_model.num_devices=2"], ["inference_model needs 1"],
+     "inference_model.colocate=true"),
+    ("async-train-takes-all", 4, ASYNC, ["train_model.num_devices=4"], ["train_model needs 4"],
+     "train_model.num_devices=3"),
+    ("ref-claims-the-inference-gpu", 2, ASYNC, ["ref_model.devices=[1]"], ["claimed: ref_model.devices=[1]"],
+     "ref_model.devices=null"),
+    ("ref-num-short", 4, SYNC, ["train_model.num_devices=2", "ref_model.num_devices=2"], ["ref_model needs 2"],
+     "ref_model.num_devices=1"),
+    ("ref-num-short-colocate", 4, SYNC, ["train_model.num_devices=2", "ref_model.num_devices=2"], ["ref_model"],
+     "ref_model.colocate=true"),
+    ("ref-num-short-default", 2, ASYNC, ["ref_model.num_devices=1"], ["ref_model"], "ref_model.num_devices=null"),
+    ("several-must-shrink", 2, ASYNC, ["train_model.num_devices=2", "inference_model.num_devices=2",
+                                       "train.num_collectors=2"], ["train_model needs 2", "inference_model needs 2"],
+     "train_model.num_devices=null inference_model.num_devices=null"),
+    # ref on the train GPUs asks for more than train has
+    ("ref-colocate-too-many", 3, SYNC, ["ref_model.colocate=true", "ref_model.num_devices=2"], ["train_model has 1"],
+     "ref_model.num_devices=1"),
+    ("ref-colocate-grow-train", 3, SYNC, ["ref_model.colocate=true", "ref_model.num_devices=2"], ["ref_model"],
+     "train_model.num_devices=2"),
 ]
 
 
-@pytest.mark.parametrize(
-    "n,mode,overrides,needles,fix",
-    [c[1:] for c in ERR_CASES],
-    ids=[c[0] for c in ERR_CASES],
-)
-def test_allocation_errors(n, mode, overrides, needles, fix):
+@pytest.mark.parametrize("n,dedicated,overrides,needles,fix", [c[1:] for c in ERR_CASES], ids=[c[0] for c in ERR_CASES])
+def test_errors_name_a_fix_that_works(n, dedicated, overrides, needles, fix):
     cfg = make_cfg(*overrides)
     with pytest.raises(DeviceAllocationError) as info:
-        allocate_devices(cfg, visible_gpus=n, mode=mode)
+        allocate(cfg, n, dedicated)
     msg = str(info.value)
-    assert isinstance(info.value, ValueError)
+    assert "\n" not in msg
     for needle in needles:
         assert needle in msg, (needle, msg)
-    assert f"{n} GPU" in msg, msg  # says how many GPUs are visible
-    assert "Fix:" in msg and fix in msg, (fix, msg)
-    # the suggested override really fixes it (an exact Hydra override, not prose)
-    if fix == "mode=sync":
-        mode = "sync"
+    if fix == "sync":
+        assert "sync script" in msg
+        dedicated = False
     else:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([fix]))
-    a = allocate_devices(cfg, visible_gpus=n, mode=mode)
-    check_invariants(a, n, mode, cfg)
+        assert fix.split() in fix_options(msg, dedicated), (fix, msg)
+        cfg = make_cfg(*fix.split(), base=cfg)
+    check_invariants(allocate(cfg, n, dedicated), n, dedicated, cfg)
 
 
-def test_bad_mode():
-    with pytest.raises(DeviceAllocationError, match="mode"):
-        allocate_devices(make_cfg(), visible_gpus=2, mode="pipelined")
+def follow_fixes(cfg, n, dedicated, msg: str) -> None:
+    """Apply each fix ``msg`` names, then the first fix of any error left (a config may hold several
+    mistakes): every path must end in a valid allocation without meeting the same error twice."""
+    for fix in fix_options(msg, dedicated):
+        fixed, seen = make_cfg(*fix, base=cfg), [msg]
+        while True:
+            try:
+                check_invariants(allocate(fixed, n, dedicated), n, dedicated, fixed)
+                break
+            except DeviceAllocationError as err:
+                assert str(err) not in seen and len(seen) < 6, (fix, seen, str(err))
+                seen.append(str(err))
+                assert fix_options(str(err), dedicated), str(err)
+                fixed = make_cfg(*fix_options(str(err), dedicated)[0], base=fixed)
 
 
-def test_allow_cpu_under_device_section():
-    cfg = make_cfg("device.allow_cpu=true")
-    del cfg["allow_cpu"]
-    a = allocate_devices(cfg, visible_gpus=0)
-    assert a.cpu and a.torch_device("train") == torch.device("cpu")
-    assert "CPU" in a.describe()
+def sweep(keys: dict[str, list], visible: list[int]) -> tuple[int, int]:
+    """Every combination allocates within the rules, or fails in one line whose fixes lead there."""
+    allocated = failed = 0
+    for values in itertools.product(*keys.values()):
+        cfg = make_cfg(*(f"{key}={value}" for key, value in zip(keys, values)))
+        for n, dedicated in itertools.product(visible, [SYNC, ASYNC]):
+            try:
+                check_invariants(allocate(cfg, n, dedicated), n, dedicated, cfg)
+                allocated += 1
+                continue
+            except DeviceAllocationError as err:
+                msg = str(err)
+            failed += 1
+            assert "\n" not in msg and "Fix: " in msg, msg
+            assert fix_options(msg, dedicated) or "run the sync script" in msg, msg
+            follow_fixes(cfg, n, dedicated, msg)
+    return allocated, failed
 
 
-def test_minimal_and_duck_typed_configs():
-    # missing sections/keys behave as null; struct mode is fine; plain namespaces work
-    cfg = OmegaConf.create({"train_model": {}, "inference_model": {}})
-    OmegaConf.set_struct(cfg, True)
-    a = allocate_devices(cfg, visible_gpus=2, mode="async")
-    assert (a.train, a.ref, a.inference) == ([0], [0], [1])
-    ns = SimpleNamespace(
-        train_model=SimpleNamespace(num_devices=2, devices=None),
-        ref_model=SimpleNamespace(num_devices=None, devices=None, colocate=True),
-        inference_model=SimpleNamespace(num_devices=None, devices=[3], colocate=False, gpu_memory_utilization=0.5),
-        train=SimpleNamespace(use_kl_to_ref=True),
-    )
-    a = allocate_devices(ns, visible_gpus=4, mode="async")
-    assert (a.train, a.ref, a.inference) == ([0, 1], [0, 1], [3])
-    assert a.gpu_memory_utilization == 0.5
-    d = allocate_devices({"train_model": {"devices": [1]}}, visible_gpus=2)
-    assert (d.train, d.inference) == ([1], [0])
+def test_sweep_num_devices():
+    nums, flags = ["null", 1, 2], ["false", "true"]
+    allocated, failed = sweep({"train_model.num_devices": nums, "ref_model.num_devices": nums,
+                               "inference_model.num_devices": nums, "ref_model.colocate": flags,
+                               "inference_model.colocate": flags, "train.use_kl_to_ref": flags,
+                               "train.num_collectors": [1, 2]}, visible=[0, 1, 2, 3, 4])
+    assert allocated > 500 and failed > 500, (allocated, failed)
 
 
-def test_missing_value_is_null():
-    cfg = OmegaConf.create({"train_model": {"num_devices": "???", "devices": None}})
-    assert allocate_devices(cfg, visible_gpus=1).train == [0]
+def test_sweep_explicit_devices():
+    ids, flags = ["null", "[0]", "[1]", "[0,1]", "[2]", "[1,2]"], ["false", "true"]
+    allocated, failed = sweep({"train_model.devices": ids, "ref_model.devices": ids, "inference_model.devices": ids,
+                               "ref_model.colocate": flags, "inference_model.colocate": flags,
+                               "train.num_collectors": [1, 2]}, visible=[1, 2, 3])
+    assert allocated > 300 and failed > 300, (allocated, failed)
 
 
-def test_single_gpu_sync_records_memory_cap():
-    a = allocate_devices(make_cfg("inference_model.gpu_memory_utilization=0.35"), visible_gpus=1)
-    assert a.colocated and a.gpu_memory_utilization == 0.35
-    assert "0.35" in a.describe() and a.as_dict()["gpu_memory_utilization"] == 0.35
-    assert a.shared_with("inference") == ["train", "ref"]
-
-
-def test_torch_device_roles():
-    a = allocate_devices(make_cfg("train_model.num_devices=2", "train.use_kl_to_ref=false"), visible_gpus=4)
-    assert a.torch_device("train") == torch.device("cuda:0")
-    assert a.torch_device("train_model") == torch.device("cuda:0")
-    assert a.torch_device("inference") == torch.device("cuda:2")
-    assert a.torch_device("ref") == torch.device("cpu")  # no reference model
-    with pytest.raises(ValueError):
-        a.torch_device("critic")
-
-
-def test_describe_shows_physical_ids(monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    a = allocate_devices(make_cfg("train_model.num_devices=2"), visible_gpus=4, mode="async")
-    text = a.describe()
-    assert "CUDA_VISIBLE_DEVICES=4,5,6,7" in text
-    assert re.search(r"train\s+0,1\s+4,5\s+cuda:0", text), text
-    assert re.search(r"inference\s+2\s+6\s+cuda:2", text), text
-    assert a.as_dict()["physical"] == {"0": 4, "1": 5, "2": 6, "3": 7}
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert "physical" not in allocate_devices(make_cfg(), visible_gpus=2).describe()
-
-
-@pytest.mark.parametrize(
-    "env,logical,expected",
-    [
-        (None, 3, 3),
-        ("4,5,6", 0, 4),
-        ("4,5,6", 2, 6),
-        (" 2 , 0 ", 1, 0),
-        ("GPU-1a2b,GPU-3c4d", 1, "GPU-3c4d"),
-        ("MIG-abc", 0, "MIG-abc"),
-    ],
-)
-def test_physical_id(monkeypatch, env, logical, expected):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    if env is not None:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", env)
-    assert physical_id(logical) == expected
-    if env is not None:
-        assert physical_id(logical, env=env) == expected
-
-
-@pytest.mark.parametrize("env,logical", [("4,5", 2), ("0,-1,2", 1), ("", 0)])
-def test_physical_id_out_of_range(env, logical):
-    with pytest.raises(DeviceAllocationError):
-        physical_id(logical, env=env)
-
-
-def test_visible_gpu_ids_uses_torch(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
-    assert visible_gpu_ids() == [0, 1, 2]
-    a = allocate_devices(make_cfg(), mode="async")  # visible_gpus=None -> detect
-    assert (a.train, a.ref, a.inference) == ([0], [2], [1])
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert visible_gpu_ids() == []
+@pytest.mark.parametrize("n,dedicated,expected", [(1, SYNC, ([0], [0], [0])), (2, SYNC, ([0], [0], [1])),
+                                                  (2, ASYNC, ([0], [0], [1])), (4, ASYNC, ([0], [0], [1]))])
+def test_shipped_config(n, dedicated, expected):
+    cfg = OmegaConf.load(Path(__file__).parents[1] / "config" / "grpo_gsm8k.yaml")
+    a = allocate(cfg, n, dedicated)
+    assert (a.train, a.ref, a.inference) == expected and a.gpu_memory_utilization == 0.5
     with pytest.raises(DeviceAllocationError, match="allow_cpu=true"):
-        allocate_devices(make_cfg())
+        allocate(cfg, 0, dedicated)
 
 
-@pytest.mark.parametrize("bad", [-1, True, [0, 0], [0, -2]])
-def test_bad_visible_gpus(bad):
-    with pytest.raises(DeviceAllocationError):
-        allocate_devices(make_cfg(), visible_gpus=bad)
+def test_no_gpu_and_no_allow_cpu_is_an_error_even_for_async():
+    with pytest.raises(DeviceAllocationError, match="allow_cpu=true"):
+        allocate(make_cfg(), 0, ASYNC)
+    a = allocate(make_cfg("allow_cpu=true"), 0, ASYNC)
+    assert a.cpu and all(a.torch_device(r) == torch.device("cpu") for r in ("train", "ref", "inference"))
+
+
+def test_error_is_the_one_of_grpo_errors():
+    assert issubclass(DeviceAllocationError, errors.UserError)
+    with pytest.raises(errors.UserError):
+        allocate(make_cfg("train_model.devices=[5]"), 2, SYNC)
+
+
+def test_plain_dict_with_missing_sections():
+    a = allocate_devices({"train_model": {"devices": [1]}}, inference_engines=1, dedicated_inference=False,
+                         visible_gpus=2)
+    assert (a.train, a.ref, a.inference) == ([1], [1], [0])  # use_kl_to_ref defaults to true
+    a = allocate_devices({}, inference_engines=1, dedicated_inference=True, visible_gpus=3)
+    assert (a.train, a.ref, a.inference) == ([0], [2], [1])
+
+
+def test_visible_gpus_detects_with_torch(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    a = allocate_devices(make_cfg(), inference_engines=1, dedicated_inference=True)
+    assert (a.train, a.ref, a.inference, a.num_visible) == ([0], [2], [1], 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(DeviceAllocationError, match="No GPU visible"):
+        allocate_devices(make_cfg(), inference_engines=1, dedicated_inference=False)
 
 
 def test_visible_gpus_subset_list():
-    # logical ids need not start at 0 when the caller passes a subset
-    a = allocate_devices(make_cfg(), visible_gpus=[2, 3], mode="async")
+    a = allocate_devices(make_cfg(), inference_engines=1, dedicated_inference=True, visible_gpus=[2, 3])
     assert (a.train, a.ref, a.inference) == ([2], [2], [3])
-    with pytest.raises(DeviceAllocationError, match=r"train_model\.devices=\[2\]"):
-        allocate_devices(make_cfg("train_model.devices=[0]"), visible_gpus=[2, 3])
+    with pytest.raises(DeviceAllocationError, match=r"Fix: train_model\.devices=null"):
+        allocate_devices(make_cfg("train_model.devices=[0]"), inference_engines=1, dedicated_inference=False,
+                         visible_gpus=[2, 3])
 
 
-def test_sweep_invariants():
-    """Every small combination either satisfies the invariants or fails with a Fix: override."""
-    nums = [None, 1, 2]
-    count = 0
-    for tn, rn, inn, rc, ic, kl in itertools.product(nums, nums, nums, [False, True], [False, True], [True, False]):
-        cfg = OmegaConf.create(BASE)
-        cfg.train_model.num_devices = tn
-        cfg.ref_model.num_devices = rn
-        cfg.inference_model.num_devices = inn
-        cfg.ref_model.colocate = rc
-        cfg.inference_model.colocate = ic
-        cfg.train.use_kl_to_ref = kl
-        for n, mode in itertools.product([0, 1, 2, 3, 4], ["sync", "async"]):
-            count += _sweep_one(cfg, n, mode, rc)
-    assert count > 100
+@pytest.mark.parametrize("visible,engines", [(-1, 1), (True, 1), ([0, 0], 1), ([0, -2], 1), (2, 0), (2, True)])
+def test_bad_arguments_are_programming_errors(visible, engines):
+    with pytest.raises(ValueError) as info:
+        allocate_devices(make_cfg(), inference_engines=engines, dedicated_inference=False, visible_gpus=visible)
+    assert not isinstance(info.value, DeviceAllocationError)
 
 
-def _sweep_one(cfg, n, mode, rc) -> int:
-    try:
-        a = allocate_devices(cfg, visible_gpus=n, mode=mode)
-    except DeviceAllocationError as e:
-        msg = str(e)
-        assert "Fix:" in msg and re.search(r"(train|ref|inference)_model|allow_cpu", msg), msg
-        assert f"{n} GPU" in msg, msg
-        return 0
-    check_invariants(a, n, mode, cfg)
-    if a.ref and not a.cpu and mode == "async":
-        assert not set(a.ref) & set(a.inference)  # ref never on an async inference GPU
-    if not rc and a.ref and not a.cpu and set(a.ref) & set(a.train):
-        assert cfg.ref_model.num_devices is None or n == 1  # only the "GPUs short" fallback shares
-    return 1
+def test_torch_device_roles():
+    a = allocate(make_cfg("train_model.num_devices=2", "train.use_kl_to_ref=false"), 4, SYNC)
+    assert a.torch_device("train") == torch.device("cuda:0")
+    assert a.torch_device("inference") == torch.device("cuda:2")
+    assert a.torch_device("ref") == torch.device("cpu")  # no reference model
+    with pytest.raises(ValueError, match="critic"):
+        a.torch_device("critic")
+
+
+def test_describe_and_as_dict(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    a = allocate(make_cfg("train_model.num_devices=2", "inference_model.colocate=true",
+                          "inference_model.gpu_memory_utilization=0.35"), 3, SYNC)
+    text = a.describe()
+    assert text.startswith("Devices (3 GPU(s) visible, CUDA_VISIBLE_DEVICES=4,5,6)")
+    assert re.search(r"^  train +gpu 0,1\b", text, re.M), text
+    assert re.search(r"^  ref +gpu 2\b", text, re.M), text
+    assert re.search(r"^  inference +gpu 0 .*0\.35", text, re.M), text
+    d = a.as_dict()
+    assert d == json.loads(json.dumps(d))
+    assert (d["train"], d["ref"], d["inference"], d["colocated"], d["gpu_memory_utilization"]) == (
+        [0, 1], [2], [0], True, 0.35)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    cpu = allocate(make_cfg("allow_cpu=true"), 0, SYNC).describe()
+    assert "CUDA_VISIBLE_DEVICES" not in cpu and "CPU" in cpu
+
+
+def test_ref_fallback_is_noted():
+    a = allocate(make_cfg("train_model.num_devices=2"), 3, SYNC)
+    assert a.ref == a.train and "no free GPU" in a.notes["ref"] and "no free GPU" in a.describe()
+    assert "colocate" in allocate(make_cfg("ref_model.colocate=true"), 3, SYNC).notes["ref"]

@@ -1,13 +1,141 @@
-"""grpo/inference.py: generation on the training model object itself stays correct while it trains."""
+"""grpo/inference.py: generation options, the static-cache generation path, and generation on the
+training model object itself staying correct while it trains."""
 
+import pytest
 import torch
 
 from conftest import compose
-from grpo.envs import make_env
-from grpo.inference import TransformersInference
-from grpo.models import load_policy_model, load_tokenizer
+from grpo.batch import to_training_batch
+from grpo.envs import make_collector, make_env
+from grpo.generation import generate_kwargs
+from grpo.inference import TransformersInference, compiled_decode_kwargs, make_transformers_policy
+from grpo.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
 from grpo.setup import resolve_local_paths
-from grpo.trainer import train_mode_if
+from grpo.step import token_log_probs, train_mode_if
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir, tiny_data_dir):
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "env.repeats=4",
+                                "env.num_envs=8", "inference_model.max_new_tokens=16"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    return cfg, tok, model
+
+
+def collect(cfg, tok, model, gen_kwargs: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8, shuffle=False)
+    policy = make_transformers_policy(model, tok, gen_kwargs=gen_kwargs)
+    return next(iter(make_collector(env, policy, 8))).reshape(-1), policy
+
+
+def test_compiled_decode_is_off_on_cpu_and_when_disabled(tiny):
+    cfg, _, model = tiny
+    assert cfg.inference_model.compile  # the default: on, where a GPU makes it possible
+    assert compiled_decode_kwargs(cfg, model) == {}  # transformers compiles nothing on CPU
+    cfg.inference_model.compile = False
+    try:
+        assert compiled_decode_kwargs(cfg, model) == {}
+    finally:
+        cfg.inference_model.compile = True
+
+
+def test_static_cache_reaches_generate_and_keeps_log_probs_exact(tiny):
+    """TorchRL's wrapper drops generate() options it does not know; ours passes them on. With the
+    static KV cache (what the compiled decode step runs on), replies still come with the log-probs
+    of the model that sampled them, and greedy replies are those of the default cache."""
+    cfg, tok, model = tiny
+    static = {"cache_implementation": "static", "max_cache_len": 384}
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    greedy = generate_kwargs(cfg, tok, greedy=True, max_new_tokens=16, stop_ids=stop_ids)
+    if hasattr(model, "_previous_max_cache_length"):
+        del model._previous_max_cache_length
+    rollouts, policy = collect(cfg, tok, model, {**greedy, **static})
+    assert policy.generate_kwargs["cache_implementation"] == "static"
+    assert model._previous_max_cache_length == 384  # set by transformers when it builds a static cache
+
+    baseline, _ = collect(cfg, tok, model, greedy)
+    for a, b in zip(rollouts.unbind(0), baseline.unbind(0)):
+        assert torch.equal(a["tokens", "response"], b["tokens", "response"])
+
+    sampled, _ = collect(cfg, tok, model, {**generate_kwargs(cfg, tok, greedy=False, max_new_tokens=16, stop_ids=stop_ids), **static})
+    batch = to_training_batch(sampled, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
+    assert batch["reply_mask"].sum() > 0
+    with torch.no_grad():
+        trainer_lp = reply_log_probs(model, batch)
+    mask = batch["reply_mask"]
+    torch.testing.assert_close(batch["behaviour_log_probs"][mask], trainer_lp[mask], atol=1e-4, rtol=1e-4)
+
+
+def sampled_rollouts(cfg, tok, model, *, seed=0, **overrides):
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    for key, value in overrides.items():
+        cfg.inference_model[key] = value
+    rollouts, policy = collect(cfg, tok, model, generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24,
+                                                                stop_ids=stop_ids), seed=seed)
+    return rollouts, policy, stop_ids
+
+
+def test_replies_end_at_their_first_stop_token_when_the_model_pads_with_eos(tiny):
+    """SmolLM2's generation_config pads with its eos, not with the tokenizer's pad: finished replies
+    then came back followed by runs of eos with log-probs of -13, counted as reply tokens. The
+    tokenizer's pad is now passed to generate, and TorchRL strips it."""
+    cfg, tok, model = tiny
+    saved = model.generation_config.pad_token_id
+    model.generation_config.pad_token_id = tok.eos_token_id
+    try:
+        rollouts, policy, stop_ids = sampled_rollouts(cfg, tok, model)
+    finally:
+        model.generation_config.pad_token_id = saved
+    assert policy.generate_kwargs["pad_token_id"] == tok.pad_token_id != tok.eos_token_id
+    replies = [s["tokens", "response"] for s in rollouts.unbind(0)]
+    stopped = [r for r in replies if torch.isin(r, torch.tensor(stop_ids)).any()]
+    assert stopped, "the test needs replies that finished before max_new_tokens"
+    assert len({r.numel() for r in replies}) > 1, "finished replies must keep their own length"
+    for r in stopped:
+        assert torch.isin(r[-1:], torch.tensor(stop_ids)).all() and not torch.isin(r[:-1], torch.tensor(stop_ids)).any()
+    batch = to_training_batch(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
+    with torch.no_grad():
+        trainer_lp = reply_log_probs(model, batch)
+    mask = batch["reply_mask"]
+    diff = (trainer_lp - batch["behaviour_log_probs"])[mask]
+    assert float((diff.expm1() - diff).mean()) < 1e-3  # sampler/trainer KL before any update
+
+
+def test_top_k_is_off_by_default_and_reaches_generate(tiny):
+    """transformers samples with top_k=50 unless told otherwise. At a high temperature the tiny
+    model (531 tokens) then samples tokens outside its top 50 only when top_k is really off."""
+    cfg, tok, model = tiny
+    assert cfg.inference_model.top_k == 0
+    saved = cfg.inference_model.temperature, cfg.inference_model.top_k
+
+    def outside_top(k_rank: int, **overrides) -> int:
+        rollouts, policy, _ = sampled_rollouts(cfg, tok, model, **overrides)
+        assert policy.generate_kwargs["top_k"] == cfg.inference_model.top_k
+        batch = to_training_batch(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=[])
+        width_r = batch["reply_mask"].shape[1]
+        with torch.no_grad():
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),
+                           position_ids=(batch["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)).logits
+        logits = logits[:, -width_r - 1:-1]
+        chosen = logits.gather(-1, batch["input_ids"][:, -width_r:, None])
+        rank = (logits > chosen).sum(-1)  # 0 for the most likely token
+        return int(((rank >= k_rank) & batch["reply_mask"]).sum())
+
+    try:
+        assert outside_top(50, temperature=20.0, top_k=0) > 0
+        assert outside_top(50, temperature=20.0, top_k=50) == 0
+        assert outside_top(3, temperature=20.0, top_k=3) == 0
+    finally:
+        cfg.inference_model.temperature, cfg.inference_model.top_k = saved
+
+
+def reply_log_probs(model, batch) -> torch.Tensor:
+    lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
+                            with_entropy=False, entropy_grad=False)
+    return lp
 
 
 def greedy_replies(inference, cfg, tok) -> list[list[int]]:
@@ -27,7 +155,7 @@ def test_generation_with_gradient_checkpointing_on_matches_generation_without(ti
         resolve_local_paths(cfg)
         tok = load_tokenizer(cfg.model.name)
         model = load_policy_model(cfg, tok, torch.device("cpu"))
-        inference = TransformersInference(cfg, model, tok, torch.device("cpu"))
+        inference = TransformersInference(cfg, model, tok, torch.device("cpu"), stop_token_ids(tok, model.generation_config))
         assert inference.model is model
         with train_mode_if(model, checkpointing):  # what optimisation does between two collections
             assert model.training is checkpointing

@@ -13,8 +13,8 @@ from conftest import compose
 from grpo.envs import make_collector, make_env
 from grpo.inference import TransformersInference
 from grpo.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
-from grpo.rollouts import prepare_rollouts
-from grpo.trainer import GRPOObjective, make_optimizer, make_replay_buffer, make_scheduler, optimize_on_batch
+from grpo.run import make_optimizer, make_scheduler
+from grpo.step import GRPOSettings, GRPOStep
 
 MAX_NEW_TOKENS = 48
 
@@ -31,17 +31,17 @@ def real_step(real_model_dir):
     tok = load_tokenizer(cfg.model.name)
     policy = load_policy_model(cfg, tok, cpu)
     ref = load_reference_model(cfg, tok, cpu)
-    inference = TransformersInference(cfg, policy, tok, cpu)
+    stop_ids = stop_token_ids(tok, policy.generation_config)
+    inference = TransformersInference(cfg, policy, tok, cpu, stop_ids)
     env = make_env(cfg, tok, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
     rollouts = next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))).reshape(-1)
-    stop_ids = stop_token_ids(tok, policy.generation_config)
-    batch, stats = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids, ref_model=ref,
-                                    ref_device=cpu, micro_batch=8, kl_to_ref_coeff=cfg.train.kl_to_ref_coeff,
-                                    kl_in_reward=False)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = make_optimizer(cfg, policy)
-    stats |= optimize_on_batch(make_replay_buffer(cfg, batch), GRPOObjective(cfg, policy), optimizer,
-                               make_scheduler(cfg, optimizer, 1), torch.amp.GradScaler(enabled=False), cfg, cpu, policy)
+    step = GRPOStep(GRPOSettings.from_config(cfg), policy=policy, optimizer=optimizer,
+                    scheduler=make_scheduler(cfg, optimizer, 1), ref_model=ref, pad_token_id=tok.pad_token_id,
+                    stop_token_ids=stop_ids)
+    batch, stats = step.prepare(rollouts)
+    stats |= step.optimize(batch)
     return tok, rollouts, batch, stats, before, policy
 
 

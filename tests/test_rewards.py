@@ -47,9 +47,12 @@ def test_reference_answer_takes_text_after_hashes():
 @pytest.mark.parametrize("response, ok", [
     ("<think>3 + 5 = 8</think><answer>8</answer>", True),
     ("<think>x</think> <answer>8</answer>\n", True),
+    ("  <think>\na\n</think>\n\n<answer>\nb\n</answer>\n", True),
     ("<answer>8</answer>", False),
+    ("<think>x</think>", False),
     ("<think>3 + 5 = 8</think>The answer is 8.", False),
     ("<answer>8</answer><think>x</think>", False),
+    ("text <think>x</think><answer>8</answer>", False),
     ("<think>x</think><answer>8</answer> and more text", False),
 ])
 def test_format(response, ok):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.synthetic import make_problems, parse_answer, read_jsonl, write_splits
+from tools.synthetic import make_problems, parse_answer, read_jsonl, write_splits
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "data" / "gsm8k_tiny"

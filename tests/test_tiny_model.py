@@ -8,8 +8,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from grpo import tiny_model as tm  # noqa: E402
-from grpo.synthetic import make_problems  # noqa: E402
+from tools import tiny_model as tm  # noqa: E402
+from tools.synthetic import make_problems  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "assets" / "tiny-model"

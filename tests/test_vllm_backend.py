@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from grpo.errors import ConfigError
+from grpo.generation import inference_state_dict, merged_state_dict
 from grpo.vllm_backend import (
     check_vllm_available,
     check_vllm_model_shape,
     configure_vllm_env,
     make_vllm_engine,
     make_vllm_policy,
-    merged_state_dict,
     push_weights,
-    vllm_prompt_logprobs,
 )
 
 # vLLM reads its env (VLLM_TARGET_DEVICE, ...) at import time: set it before importorskip.
@@ -36,6 +36,27 @@ pytest.importorskip(
 ATOL = 1e-4
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "assets" / "tiny-model"
+
+
+def vllm_prompt_logprobs(llm, token_ids):
+    """Log-prob of each token given its prefix, as the engine computes it (a tensor of
+    ``len(ids) - 1`` float32 values per sequence; the first token has none)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in token_ids]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    result = []
+    for ids, out in zip(token_ids, outs):
+        entries = out.prompt_logprobs[1:]
+        result.append(
+            torch.tensor(
+                [e[int(t)].logprob for e, t in zip(entries, list(ids)[1:])],
+                dtype=torch.float32,
+            )
+        )
+    return result
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -135,7 +156,7 @@ def test_make_engine_fails_fast_on_small_heads(tmp_path):
 def test_check_vllm_available_message(monkeypatch):
     check_vllm_available()  # installed here
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
-    with pytest.raises(RuntimeError) as err:
+    with pytest.raises(ConfigError) as err:
         check_vllm_available()
     assert "pip install -e .[vllm]" in str(err.value)
     assert "bash scripts/install_vllm_cpu.sh" in str(err.value)
@@ -218,7 +239,7 @@ def test_push_weights_updates_engine(llm, hf_model, sequences):
         new_lp = [hf_logprobs(hf_model, s) for s in sequences]
         assert _max_diff(new_lp, old_lp) > 1e-2  # the perturbation is visible
 
-        seconds = push_weights(llm, hf_model)
+        seconds = push_weights(llm, hf_model.state_dict())
         assert 0 < seconds < 10
         got = vllm_prompt_logprobs(llm, sequences)
         assert _max_diff(got, new_lp) < ATOL
@@ -248,7 +269,7 @@ def test_push_weights_merges_lora(llm, hf_model, sequences):
     sd = merged_state_dict(lora)
     assert set(sd) == set(hf_model.state_dict())  # plain HF names, no lora_/base_layer keys
     try:
-        push_weights(llm, lora)
+        push_weights(llm, inference_state_dict(lora))
         assert _max_diff(vllm_prompt_logprobs(llm, sequences), lora_lp) < ATOL
         # merging worked on copies: the peft model still holds unmerged base weights
         assert torch.equal(
@@ -256,7 +277,7 @@ def test_push_weights_merges_lora(llm, hf_model, sequences):
             hf_model.model.layers[0].self_attn.q_proj.weight,
         )
     finally:
-        push_weights(llm, hf_model)
+        push_weights(llm, hf_model.state_dict())
     assert _max_diff(vllm_prompt_logprobs(llm, sequences), old_lp) < ATOL
 
 
@@ -274,13 +295,13 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
 
     cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm",
                                 "inference_model.max_new_tokens=6", "eval.max_new_tokens=5"])
-    inf = make_inference(cfg, hf_model, tokenizer, torch.device("cpu"))
+    from grpo.models import stop_token_ids
+
+    stop_ids = stop_token_ids(tokenizer, hf_model.generation_config)
+    inf = make_inference(cfg, hf_model, tokenizer, device=torch.device("cpu"), stop_ids=stop_ids)
     try:
         assert type(inf).__name__ == "VLLMInference" and inf.version == 0
         # the engine stops on the ids the trainer cuts replies at, and samples with top_k off
-        from grpo.models import stop_token_ids
-
-        stop_ids = stop_token_ids(tokenizer, hf_model.generation_config)
         assert tokenizer.pad_token_id in stop_ids and tokenizer.eos_token_id in stop_ids
         for policy in (inf.policy, inf.greedy_policy):
             assert sorted(policy.sampling_params.stop_token_ids) == stop_ids

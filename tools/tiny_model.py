@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from grpo.synthetic import parse_answer
+from tools.synthetic import parse_answer
 
 __all__ = [
     "DEFAULT_MODEL_DIR",

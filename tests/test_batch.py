@@ -1,9 +1,10 @@
-"""grpo/rollouts.py: what counts as a reply token in the dense training batch."""
+"""grpo/batch.py: what counts as a reply token in the dense training batch."""
 
 import torch
 from tensordict import TensorDict, lazy_stack
 
-from grpo.rollouts import prepare_rollouts, to_training_batch
+from grpo.batch import to_training_batch
+from grpo.step import rollout_metrics
 
 EOS, PAD = 2, 0
 
@@ -31,8 +32,7 @@ def test_a_reply_ends_at_its_first_stop_token():
     assert batch["reply_mask"].sum(-1).tolist() == [3, 5, 2]
     assert batch["reply_stopped"].tolist() == [True, False, True]
     assert batch["behaviour_log_probs"][0].tolist() == [-1.0, -0.5, -0.25, 0.0, 0.0]
-    _, stats = prepare_rollouts(data, pad_token_id=PAD, stop_token_ids=[PAD, EOS], ref_model=None, ref_device=None,
-                                micro_batch=3, kl_to_ref_coeff=0.0, kl_in_reward=False)
+    stats = rollout_metrics(data, batch)
     assert abs(stats["response_length"] - (3 + 5 + 2) / 3) < 1e-6
     assert stats["response_length_max"] == 5
     assert abs(stats["response_truncated_fraction"] - 1 / 3) < 1e-6

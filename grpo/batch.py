@@ -1,4 +1,4 @@
-"""Turning collected rollouts into one dense training batch.
+"""The dense training batch: collected rollouts as padded ``[S, T]`` tensors.
 
 TorchRL's collector returns a lazy stack of per-sample tensordicts (a different length each).
 Every later stage (reference scoring, advantages, minibatch sampling, the loss) is cheaper on
@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-
-from grpo.models import reply_log_probs
 
 
 def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
@@ -72,44 +70,10 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     seq = slice(width_p - keep_p, width_p + keep_r)
     out = batch.clone(recurse=False)
     out["input_ids"], out["attention_mask"] = batch["input_ids"][:, seq], batch["attention_mask"][:, seq]
-    for key in ("reply_mask", "behaviour_log_probs", "ref_log_probs"):
+    for key in ("reply_mask", "behaviour_log_probs", "ref_log_probs", "trainer_log_probs"):
         if key in batch.keys():
             out[key] = batch[key][:, :keep_r]
     return out
-
-
-@torch.no_grad()
-def score_replies(batch: TensorDict, model, device: torch.device, micro_batch: int) -> torch.Tensor:
-    """``[S, R]`` log-probs ``model`` gives the replies, in micro-batches of similar cost to training's."""
-    chunks = []
-    for start in range(0, batch.batch_size[0], micro_batch):
-        part = trim_padding(batch[start:start + micro_batch]).to(device)
-        lp, _ = reply_log_probs(model, part, with_entropy=False)
-        lp = torch.nn.functional.pad(lp.float().cpu(), (0, batch["reply_mask"].shape[1] - lp.shape[1]))
-        chunks.append(lp)
-    return torch.cat(chunks) * batch["reply_mask"]
-
-
-def per_sample_kl_to_ref(batch: TensorDict) -> torch.Tensor:
-    """Per sample, the mean over reply tokens of the k3 estimate of KL(behaviour || reference)."""
-    mask = batch["reply_mask"]
-    diff = (batch["ref_log_probs"] - batch["behaviour_log_probs"]) * mask
-    return (diff.expm1() - diff).sum(-1) / mask.sum(-1).clamp_min(1)
-
-
-def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """(r - group mean) / group std (unbiased, floored at 1e-6): MCAdvantage's formula, vectorised.
-
-    Replies to the same prompt form a group, whatever their order in the batch. A lone reply
-    has no baseline and gets advantage 0 (MCAdvantage would give NaN).
-    """
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1
-    count = torch.zeros(n_groups).index_add_(0, group, torch.ones_like(reward))
-    mean = torch.zeros(n_groups).index_add_(0, group, reward) / count
-    sq = torch.zeros(n_groups).index_add_(0, group, (reward - mean[group]) ** 2)
-    std = (sq / (count - 1).clamp_min(1)).sqrt()
-    return (reward - mean[group]) / std[group].clamp_min(1e-6)
 
 
 def prompt_group_ids(batch: TensorDict) -> torch.Tensor:
@@ -120,36 +84,3 @@ def prompt_group_ids(batch: TensorDict) -> torch.Tensor:
     for tokens, length in zip(batch["input_ids"], batch["prompt_length"]):
         rows.append(ids.setdefault(tuple(tokens[width_p - int(length):width_p].tolist()), len(ids)))
     return torch.tensor(rows)
-
-
-def prepare_rollouts(data: TensorDictBase, *, pad_token_id: int, stop_token_ids: list[int], ref_model, ref_device,
-                     micro_batch: int, kl_to_ref_coeff: float, kl_in_reward: bool, policy_model=None,
-                     policy_device=None) -> tuple[TensorDict, dict]:
-    """The collected rollouts as a dense training batch with advantages, plus statistics to log.
-
-    With ``policy_model`` (truncated IS on), the trainer's own log-probs of the replies at the
-    current weights are stored as ``trainer_log_probs``: the loss clips against them and weights
-    each token by the (truncated) trainer/sampler ratio.
-    """
-    batch = to_training_batch(data, pad_token_id, stop_token_ids)
-    stats = {
-        "reward": batch["reward"].mean().item(),
-        "success_rate": data.get(("next", "success")).float().mean().item(),
-        "response_length": batch["reply_length"].float().mean().item(),
-        "response_length_max": int(batch["reply_length"].max()),
-        # replies cut by max_new_tokens before any stop token
-        "response_truncated_fraction": 1 - batch["reply_stopped"].float().mean().item(),
-    }
-    if ref_model is not None:
-        batch["ref_log_probs"] = score_replies(batch, ref_model, ref_device, micro_batch)
-        kl = per_sample_kl_to_ref(batch)
-        stats["kl_to_ref"] = kl.mean().item()
-        if kl_in_reward:
-            batch["reward"] = batch["reward"] - kl_to_ref_coeff * kl
-    if policy_model is not None:
-        batch["trainer_log_probs"] = score_replies(batch, policy_model, policy_device, micro_batch)
-        gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
-        stats["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
-    batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch))
-    stats |= {"advantage_std": batch["advantage"].std().item(), "advantage_mean": batch["advantage"].mean().item()}
-    return batch, stats

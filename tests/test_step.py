@@ -1,6 +1,7 @@
-"""The GRPO loss and the group advantage: against hand computations and against TorchRL's own
-GRPOLoss and MCAdvantage, on small real batches collected by TorchRL's collector."""
+"""The GRPO step (grpo.step): the loss and the group advantage against hand computations and against
+TorchRL's own GRPOLoss and MCAdvantage, on small real batches collected by TorchRL's collector."""
 
+import dataclasses
 import math
 
 import pytest
@@ -11,13 +12,15 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from conftest import compose
+from grpo.batch import prompt_group_ids, to_training_batch, trim_padding
 from grpo.envs import make_env
-from grpo.models import (generate_kwargs, load_policy_model, load_tokenizer, make_transformers_policy, reply_log_probs,
-                         stop_token_ids, torch_dtype)
-from grpo.rollouts import (group_advantages, per_sample_kl_to_ref, prepare_rollouts, prompt_group_ids,
-                           to_training_batch, trim_padding)
+from grpo.generation import generate_kwargs
+from grpo.inference import make_transformers_policy
+from grpo.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
+from grpo.run import make_optimizer, make_scheduler
 from grpo.setup import resolve_local_paths
-from grpo.trainer import GRPOObjective, make_optimizer, make_replay_buffer, total_loss
+from grpo.step import (GRPOSettings, GRPOStep, grpo_terms, group_advantages, per_sample_kl_to_ref, token_log_probs,
+                       weighted_loss)
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +37,20 @@ def setup(tiny_model_dir, tiny_data_dir):
     policy = make_transformers_policy(model, tok, gen_kwargs=generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24,
                                                                              stop_ids=stop_ids))
     rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
-    batch, _ = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids, ref_model=None,
-                                ref_device=None,
-                                micro_batch=8, kl_to_ref_coeff=0.0, kl_in_reward=False)
+    batch = to_training_batch(rollouts, tok.pad_token_id, stop_ids)
+    batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch))
     assert len(set(batch["reply_length"].tolist())) > 1, "the test needs replies of different lengths"
     return cfg, tok, model, rollouts, batch
+
+
+def terms_of(cfg, model, batch, forward=None) -> dict:
+    return grpo_terms(model, batch, GRPOSettings.from_config(cfg), forward)
+
+
+def reply_log_probs(model, batch) -> torch.Tensor:
+    lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
+                            with_entropy=False, entropy_grad=False)
+    return lp
 
 
 def unpadded_reply_log_probs(model, sample) -> torch.Tensor:
@@ -55,7 +67,7 @@ def test_dense_batch_keeps_the_samplers_log_probs_and_the_model_agrees(setup):
     padded reply-only forward of the loss gives the same numbers as an unpadded forward."""
     _, _, model, rollouts, batch = setup
     with torch.no_grad():
-        dense_lp, _ = reply_log_probs(model, batch, with_entropy=False)
+        dense_lp = reply_log_probs(model, batch)
         for i, sample in enumerate(rollouts.unbind(0)):
             n = sample["tokens", "response"].shape[-1]
             reference = unpadded_reply_log_probs(model, sample)
@@ -72,8 +84,8 @@ def test_trim_padding_leaves_log_probs_unchanged(setup):
     trimmed = trim_padding(part)
     assert trimmed["reply_mask"].shape[1] == int(part["reply_length"].max()) < part["reply_mask"].shape[1]
     with torch.no_grad():
-        full, _ = reply_log_probs(model, part, with_entropy=False)
-        short, _ = reply_log_probs(model, trimmed, with_entropy=False)
+        full = reply_log_probs(model, part)
+        short = reply_log_probs(model, trimmed)
     width = trimmed["reply_mask"].shape[1]
     torch.testing.assert_close(short * trimmed["reply_mask"], full[:, :width] * part["reply_mask"][:, :width],
                                atol=1e-5, rtol=1e-5)
@@ -120,7 +132,6 @@ def test_loss_value_and_gradient_equal_torchrl_grpoloss(setup):
     batch["advantage"] = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
     cfg = cfg.copy()
     cfg.train.use_kl_to_ref = False
-    cfg.train.kl_to_inference_coeff = None
 
     # TorchRL: per-sample tensordicts with ("log_probs","full") over prompt + reply
     rollouts = rollouts.clone()
@@ -138,15 +149,15 @@ def test_loss_value_and_gradient_equal_torchrl_grpoloss(setup):
 
     expected = torchrl_loss(rollouts)
     expected_grad = torch.autograd.grad(expected.loss_objective, params)
-    ours = GRPOObjective(cfg, model)(batch)
-    grad = torch.autograd.grad(ours["loss_objective"], params)
+    ours = terms_of(cfg, model, batch)
+    grad = torch.autograd.grad(ours["objective"], params)
 
-    assert float(ours["loss_objective"]) == pytest.approx(float(expected.loss_objective), rel=1e-4, abs=1e-6)
-    assert float(ours["ESS"]) == pytest.approx(float(expected.ESS), rel=1e-5)
-    assert float(ours["loss_entropy"]) == pytest.approx(float(expected.loss_entropy), rel=1e-4)
+    assert float(ours["objective"]) == pytest.approx(float(expected.loss_objective), rel=1e-4, abs=1e-6)
+    assert float(ours["ess"]) == pytest.approx(float(expected.ESS), rel=1e-5)
+    assert -float(ours["entropy"]) == pytest.approx(float(expected.loss_entropy), rel=1e-4)
     for g, e in zip(grad, expected_grad):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-3)
-    assert float(ours["clip_fraction"]) > 0 and 0 < float(ours["ESS"]) < 1
+    assert float(ours["clip_fraction"]) > 0 and 0 < float(ours["ess"]) < 1
 
 
 def test_clipped_loss_matches_hand_computation(setup):
@@ -156,7 +167,7 @@ def test_clipped_loss_matches_hand_computation(setup):
     eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
     advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
     with torch.no_grad():
-        cur, _ = reply_log_probs(model, batch, with_entropy=False)
+        cur = reply_log_probs(model, batch)
     batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch)
     batch["advantage"] = advantages
     gains, clipped, count = [], 0, 0
@@ -167,10 +178,10 @@ def test_clipped_loss_matches_hand_computation(setup):
         gains.append(torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a))
         clipped += int(((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).sum())
         count += n
-    out = GRPOObjective(cfg, model)(batch)
-    assert float(out["loss_objective"]) == pytest.approx(float(-torch.cat(gains).sum() / count), rel=1e-4, abs=1e-5)
+    out = terms_of(cfg, model, batch)
+    assert float(out["objective"]) == pytest.approx(float(-torch.cat(gains).sum() / count), rel=1e-4, abs=1e-5)
     assert float(out["clip_fraction"]) == pytest.approx(clipped / count, abs=1e-6)
-    assert 0 < float(out["ESS"]) < 1
+    assert 0 < float(out["ess"]) < 1
 
 
 def test_prompt_mean_weights_each_sample_equally(setup):
@@ -180,12 +191,12 @@ def test_prompt_mean_weights_each_sample_equally(setup):
     cfg.train.aggregation = "prompt_mean"
     batch["advantage"] = torch.linspace(-1, 1, 8)
     with torch.no_grad():
-        cur, _ = reply_log_probs(model, batch, with_entropy=False)
-        out = GRPOObjective(cfg, model)(batch)
+        cur = reply_log_probs(model, batch)
+        out = terms_of(cfg, model, batch)
     # old == sampler log-probs, so each ratio is ~1 and each sample's mean gain is ~its advantage
     ratio = (cur - batch["behaviour_log_probs"]).exp() * batch["reply_mask"]
     per_sample = (ratio * batch["advantage"][:, None]).sum(-1) / batch["reply_length"]
-    assert float(out["loss_objective"]) == pytest.approx(float(-per_sample.mean()), abs=1e-5)
+    assert float(out["objective"]) == pytest.approx(float(-per_sample.mean()), abs=1e-5)
 
 
 def test_kl_to_ref_penalty_is_masked_k3(setup):
@@ -194,15 +205,20 @@ def test_kl_to_ref_penalty_is_masked_k3(setup):
     cfg = cfg.copy()
     cfg.train.kl_to_ref_coeff = 0.5
     with torch.no_grad():
-        cur, _ = reply_log_probs(model, batch, with_entropy=False)
+        cur = reply_log_probs(model, batch)
     ref = cur + 0.3 * torch.randn(cur.shape, generator=torch.Generator().manual_seed(2))
     batch["ref_log_probs"] = ref * batch["reply_mask"]
     batch["advantage"] = torch.zeros(8)
-    out = GRPOObjective(cfg, model)(batch)
+    out = terms_of(cfg, model, batch)
     d = (ref - cur)[batch["reply_mask"]]
     expected_kl = (d.expm1() - d).mean()
     assert float(out["kl_to_ref"]) == pytest.approx(float(expected_kl), rel=1e-4)
-    assert float(out["loss_kl_to_ref"]) == pytest.approx(0.5 * float(expected_kl), rel=1e-4)
+    # the loss carries it at its weight, next to the objective (the other weights are 0 here)
+    settings = GRPOSettings.from_config(cfg)
+    assert float(weighted_loss(out, settings)) == pytest.approx(float(out["objective"]) + 0.5 * float(expected_kl),
+                                                                rel=1e-4)
+    # in the reward instead: no loss term
+    assert "kl_to_ref" not in grpo_terms(model, batch, dataclasses.replace(settings, kl_to_ref_in_reward=True))
 
 
 def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
@@ -226,13 +242,27 @@ def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
     assert kl[1] == pytest.approx(k3([-0.5], [-0.1]), abs=1e-6)
 
 
-def test_replay_buffer_yields_each_sample_once_per_pass(setup):
-    cfg, _, _, _, batch = setup
-    cfg = cfg.copy()
-    cfg.train.gradient_accumulation_steps = 2  # micro-batches of 4
-    buffer = make_replay_buffer(cfg, batch)
-    seen = torch.cat([micro["input_ids"][:, -batch["reply_mask"].shape[1]:].sum(-1) for micro in buffer])
-    assert sorted(seen.tolist()) == sorted(batch["input_ids"][:, -batch["reply_mask"].shape[1]:].sum(-1).tolist())
+def make_step(cfg, model, **settings) -> GRPOStep:
+    optimizer = make_optimizer(cfg, model)
+    return GRPOStep(dataclasses.replace(GRPOSettings.from_config(cfg), **settings), policy=model, optimizer=optimizer,
+                    scheduler=make_scheduler(cfg, optimizer, 100), pad_token_id=0, stop_token_ids=[])
+
+
+def test_optimize_steps_once_per_minibatch_and_starts_on_policy(setup):
+    """epochs x S / optim_batch_size optimiser steps, each over accumulated micro-batches; before the
+    first update the trainer scores the sampler's tokens as the sampler did (same weights)."""
+    cfg, tok, model, rollouts, batch = setup
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        step = make_step(cfg, model, epochs=2, micro_batch_size=2, accumulation_steps=2)
+        metrics = step.optimize(batch.clone())
+        assert metrics["optim_steps"] == 2 * 8 // 4
+        assert metrics["kl_to_inference_pre_update"] < 1e-3
+        assert any((p != before[n]).any() for n, p in model.named_parameters())
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(before[n])
 
 
 def test_truncated_is_clips_against_trainer_and_weights_by_capped_ratio(setup):
@@ -243,7 +273,7 @@ def test_truncated_is_clips_against_trainer_and_weights_by_capped_ratio(setup):
     cfg.train.inference_is_cap = 1.5
     eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
     with torch.no_grad():
-        cur, _ = reply_log_probs(model, batch, with_entropy=False)
+        cur = reply_log_probs(model, batch)
     batch["advantage"] = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
     batch["trainer_log_probs"] = _perturbed_old_log_probs(batch, seed=3, scale=0.6)
     batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch, seed=4, scale=1.6)
@@ -257,22 +287,20 @@ def test_truncated_is_clips_against_trainer_and_weights_by_capped_ratio(setup):
         terms.append(gain * weight.clamp(max=1.5))
         capped += int((weight >= 1.5).sum())
         count += n
-    out = GRPOObjective(cfg, model)(batch)
+    out = terms_of(cfg, model, batch)
     assert 0 < capped < count, "the test needs some capped and some uncapped weights"
-    assert float(out["loss_objective"]) == pytest.approx(float(-torch.cat(terms).sum() / count), rel=1e-4, abs=1e-6)
+    assert float(out["objective"]) == pytest.approx(float(-torch.cat(terms).sum() / count), rel=1e-4, abs=1e-6)
     assert float(out["is_truncated_fraction"]) == pytest.approx(capped / count, abs=1e-6)
     # off: the same batch is clipped against the sampler's log-probs, with no weights
     cfg.train.inference_is_cap = None
-    assert "is_weight" not in GRPOObjective(cfg, model)(batch)
+    assert "is_weight_mean" not in terms_of(cfg, model, batch)
 
 
 def test_truncated_is_scores_the_trainer_log_probs_in_prepare(setup):
     cfg, tok, model, rollouts, _ = setup
-    batch, stats = prepare_rollouts(rollouts, pad_token_id=tok.pad_token_id,
-                                    stop_token_ids=stop_token_ids(tok, model.generation_config),
-                                    ref_model=None, ref_device=None,
-                                    micro_batch=3, kl_to_ref_coeff=0.0, kl_in_reward=False,
-                                    policy_model=model, policy_device=torch.device("cpu"))
+    step = make_step(cfg, model, inference_is_cap=1.5, micro_batch_size=3)
+    step.pad_token_id, step.stop_token_ids = tok.pad_token_id, stop_token_ids(tok, model.generation_config)
+    batch, stats = step.prepare(rollouts)
     # same weights as the sampler: the trainer's log-probs equal the sampler's
     mask = batch["reply_mask"]
     torch.testing.assert_close(batch["trainer_log_probs"] * mask, batch["behaviour_log_probs"] * mask,
@@ -286,22 +314,18 @@ def test_compiled_loss_matches_eager_in_value_and_gradient(setup):
     cfg, _, model, _, batch = setup
     batch = batch.clone()
     batch["advantage"] = torch.linspace(-1.0, 1.0, batch.shape[0])
-    eager = GRPOObjective(cfg, model)
-    cfg.train_model.compile = True
-    try:
-        compiled = GRPOObjective(cfg, model)
-    finally:
-        cfg.train_model.compile = False
-    assert compiled.forward is not eager.forward
+    settings = GRPOSettings.from_config(cfg)
+    compiled = make_step(cfg, model, compile=True).forward
+    assert compiled is not token_log_probs
     for part in (trim_padding(batch[:4]), trim_padding(batch[4:])):
         results = []
-        for objective in (eager, compiled):
+        for forward in (token_log_probs, compiled):
             model.zero_grad(set_to_none=True)
-            out = objective(part)
-            total_loss(out, cfg).backward()
+            out = grpo_terms(model, part, settings, forward)
+            weighted_loss(out, settings).backward()
             results.append((out, [p.grad.clone() for p in model.parameters()]))
         (out_e, grads_e), (out_c, grads_c) = results
-        for key in ("loss_objective", "loss_entropy", "clip_fraction", "ESS", "kl_approx"):
+        for key in ("objective", "entropy", "clip_fraction", "ess", "kl_approx"):
             torch.testing.assert_close(out_c[key], out_e[key], atol=1e-5, rtol=1e-4)
         for g_c, g_e in zip(grads_c, grads_e):
             torch.testing.assert_close(g_c, g_e, atol=1e-5, rtol=1e-3)

@@ -1,0 +1,45 @@
+"""Every mistake a user can make in a config, a data set, a model path or a resume target.
+
+Each is a ``UserError`` whose message says what was wrong and what to do; ``clear_errors``, the
+one handler around both scripts, prints that message and exits with status 2, no traceback.
+Anything else (a bug, a crashed worker) keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+class UserError(Exception):
+    """A mistake the user can fix; the message names the key or file and the fix."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config value that cannot work."""
+
+
+class DeviceAllocationError(ConfigError):
+    """A GPU request that cannot be met; raised before any model is loaded."""
+
+
+class DataError(UserError, ValueError):
+    """A data set that cannot be used: missing, unreadable, or a row that breaks the task's format."""
+
+
+class ModelLoadError(UserError, RuntimeError):
+    """The model or tokenizer named in the config cannot be loaded."""
+
+
+class ResumeError(UserError, ValueError):
+    """``resume=`` names nothing usable."""
+
+
+@contextlib.contextmanager
+def clear_errors():
+    """User mistakes end the run with one line on stderr and exit status 2."""
+    try:
+        yield
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
