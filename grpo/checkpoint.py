@@ -3,6 +3,7 @@ counters, RNG states and the resolved config, written atomically (temp file + re
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 from grpo.errors import ResumeError
+from grpo.logger import read_metrics
 
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.pt$")
 
@@ -82,10 +85,36 @@ def load_latest_good(ckpt_dir: Path) -> tuple[Path, dict] | None:
     return None
 
 
+PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "counters", "rng", "config")
+
+
+def check_resumable(path: Path, payload, cfg) -> None:
+    """A ResumeError unless ``payload`` is one of our checkpoints, of the model and adapters this run trains."""
+    missing = [key for key in PAYLOAD_KEYS if key not in payload] if isinstance(payload, dict) else PAYLOAD_KEYS
+    if missing:
+        raise ResumeError(f"resume: {path} is not a checkpoint of this project (it lacks {list(missing)}); give a run "
+                          "dir or one of its checkpoints/step_*.pt.")
+    run_dir = path.parent.parent
+    if path.parent.name != cfg.logging.checkpoint_dir or not (run_dir / "metrics.jsonl").is_file():
+        raise ResumeError(f"resume: {path} is not in a run dir's {cfg.logging.checkpoint_dir}/ folder (next to its "
+                          "metrics.jsonl), and a resumed run continues in that run dir; give the run dir it came from.")
+    saved = payload["config"]
+    for section, key in (("model", "name"), ("train_model", "lora")):
+        was, now = saved.get(section, {}).get(key), OmegaConf.to_container(cfg[section], resolve=True)[key]
+        if was != now:
+            raise ResumeError(f"resume: {path} was made with {section}.{key}={was!r}, this run has {now!r}; pass "
+                              f"{section}.{key} as it was, or start without resume.")
+
+
 def restore_training_state(payload: dict, *, model, optimizer, scheduler) -> None:
-    missing, unexpected = model.load_state_dict(payload["model"], strict=False)
+    try:
+        _, unexpected = model.load_state_dict(payload["model"], strict=False)
+    except RuntimeError as err:  # size mismatch: another model shape than check_resumable could tell
+        raise ResumeError(f"resume: the checkpoint's weights do not fit this model ({str(err).splitlines()[1:2]}); "
+                          "resume with the model it was trained from.") from err
     if unexpected:
-        raise RuntimeError(f"checkpoint holds weights this model lacks: {unexpected[:5]}")
+        raise ResumeError(f"resume: the checkpoint holds weights this model lacks ({unexpected[:5]}); resume with the "
+                          "model it was trained from.")
     optimizer.load_state_dict(payload["optimizer"])
     scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(payload["rng"])
@@ -129,13 +158,10 @@ def find_checkpoint(resume: str, *, experiment_name: str, search_roots: list[Pat
 
 
 def truncate_metrics(metrics_path: Path, step: int) -> None:
-    """Drop rows logged after ``step``: a resumed run re-does those steps."""
-    import json
-
+    """Drop rows logged after ``step`` (a resumed run re-does those steps) and a torn last line."""
     if not metrics_path.exists():
         return
-    rows = [line for line in metrics_path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+    kept = [row for row in read_metrics(metrics_path) if row.get("step", 0) <= step]
     tmp = metrics_path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
     os.replace(tmp, metrics_path)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from omegaconf import OmegaConf
+
 from grpo.envs import TASK_ENVS
 from grpo.errors import ConfigError
 from grpo.rewards import ANSWER_EXTRACTIONS
@@ -13,6 +15,31 @@ def validate_config(cfg) -> None:
             raise ConfigError(message)
 
     need(cfg.env.task in TASK_ENVS, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASK_ENVS)}.")
+    # counts first: the divisibility checks below would divide by them
+    for key in ("env.num_envs", "train.dialog_turns_per_batch", "train.optim_batch_size",
+                "train.gradient_accumulation_steps", "eval.batch_size", "eval.num_problems",
+                "inference_model.max_new_tokens"):
+        value = OmegaConf.select(cfg, key)
+        need(isinstance(value, int) and value >= 1, f"{key}={value!r} must be a whole number >= 1.")
+    need(isinstance(cfg.seed, int) and cfg.seed >= 0, f"seed={cfg.seed!r} must be a whole number >= 0 (numpy "
+         "refuses negative seeds); e.g. seed=0.")
+    o, im = cfg.optimizer, cfg.inference_model
+    need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0 (at 0 nothing trains); the default is 1e-6.")
+    need(o.schedule in ("constant", "cosine"), f"optimizer.schedule={o.schedule!r}; use constant or cosine.")
+    need(o.warmup_steps >= 0 and 0 <= o.min_lr_ratio <= 1, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0 "
+         f"and optimizer.min_lr_ratio={o.min_lr_ratio} in [0, 1].")
+    need(o.weight_decay >= 0 and o.eps > 0 and o.clip_grad_norm > 0 and all(0 <= b < 1 for b in o.betas),
+         "optimizer: weight_decay must be >= 0, eps and clip_grad_norm > 0, and both betas in [0, 1); "
+         f"got weight_decay={o.weight_decay}, eps={o.eps}, clip_grad_norm={o.clip_grad_norm}, betas={list(o.betas)}.")
+    need(im.temperature > 0, f"inference_model.temperature={im.temperature} must be > 0: GRPO needs sampled, "
+         "different replies within a group (eval is greedy anyway); the default is 1.0.")
+    need(0 < im.top_p <= 1, f"inference_model.top_p={im.top_p} must be in (0, 1] (1 = off).")
+    for key in ("train.kl_to_ref_coeff", "train.kl_to_inference_coeff", "train.entropy_coeff"):
+        value = OmegaConf.select(cfg, key)
+        need(value >= 0, f"{key}={value} must be >= 0 (a negative weight rewards moving away); 0 turns the term off.")
+    for key in ("train_model.dtype", "ref_model.dtype", "inference_model.dtype"):
+        value = OmegaConf.select(cfg, key)
+        need(value in ("float32", "bfloat16", "float16"), f"{key}={value!r}; use float32, bfloat16 or float16.")
     need(cfg.env.repeats >= 2, f"env.repeats={cfg.env.repeats}: GRPO compares replies within a group, so it needs "
          "at least 2 replies per prompt; set env.repeats=4 (or more).")
     need(cfg.env.num_envs % cfg.env.repeats == 0, f"env.num_envs={cfg.env.num_envs} must be a multiple of "
@@ -40,7 +67,6 @@ def validate_config(cfg) -> None:
     need(t.max_policy_lag >= t.weight_update_frequency - 1, f"train.max_policy_lag={t.max_policy_lag} is below "
          f"train.weight_update_frequency - 1 = {t.weight_update_frequency - 1}: every async batch would be too stale; "
          f"raise train.max_policy_lag to at least {t.weight_update_frequency - 1}.")
-    im = cfg.inference_model
     tm = cfg.train_model
     # Measured on an H100, SmolLM2-135M, IFEval prompts, 40 steps: a bf16-autocast trainer scoring a
     # float32 sampler's replies drifted (sampler/trainer KL before each update 8.5e-4 at step 1, 1 to

@@ -7,6 +7,8 @@ Each env is a ``DatasetChatEnv``: a reset draws prompts from the data set, repea
 
 from __future__ import annotations
 
+import warnings
+
 from torchrl.collectors.llm import LLMCollector
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv
@@ -15,7 +17,7 @@ from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 from grpo.data import PositionedLoader, load_split
 from grpo.errors import DataError
 from grpo.ifeval import load_ifeval_rows, make_ifeval_env
-from grpo.rewards import GSM8KReward
+from grpo.rewards import GSM8KReward, parse_number, reference_answer
 
 
 class GSM8KTaskEnv(DatasetChatEnv):
@@ -46,12 +48,20 @@ class GSM8KTaskEnv(DatasetChatEnv):
 def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
     """A GSM8K split, checked: every row needs a question and an answer ending in ``#### N``."""
     ds = load_split(dataset, split, hub_config=hub_config, required_fields=("question", "answer"))
-    for i, answer in enumerate(ds["answer"]):
-        if answer.count("#### ") != 1:
-            raise DataError(
-                f"env.dataset={dataset!r} split {split!r} row {i}: the answer must end with exactly one "
-                f"'#### N' line (GSM8K format); got {answer[-60:]!r}."
-            )
+    where = f"env.dataset={dataset!r} split {split!r}"
+    non_numeric = []
+    for i, (question, answer) in enumerate(zip(ds["question"], ds["answer"])):
+        if not isinstance(question, str) or not question.strip():
+            raise DataError(f"{where} row {i}: the question must be non-empty text; got {question!r}.")
+        if not isinstance(answer, str) or answer.count("#### ") != 1:
+            shown = answer[-60:] if isinstance(answer, str) else answer
+            raise DataError(f"{where} row {i}: the answer must end with exactly one '#### N' line (GSM8K "
+                            f"format); got {shown!r}.")
+        if parse_number(reference_answer(answer)) is None:
+            non_numeric.append(i)
+    if non_numeric:  # legal, but no reply can ever match them: their groups teach nothing
+        warnings.warn(f"{where}: {len(non_numeric)} row(s) have a final answer that is not a number (first: row "
+                      f"{non_numeric[0]}); the GSM8K reward compares numbers, so those rows always score 0.")
     return ds
 
 

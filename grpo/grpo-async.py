@@ -30,6 +30,7 @@ def train(cfg) -> TrainingRun:
     run = TrainingRun(cfg, inference_engines=cfg.train.num_collectors, dedicated_inference=True)
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, ignore_reinit_error=True)
+    run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
     pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids)
     pool.push_weights(inference_state_dict(run.policy_model), version=run.policy_version)  # restored weights on resume
     pushed_at = run.policy_version

@@ -81,8 +81,16 @@ def profile_to(run_dir: Path, step: int):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every row; a torn last line (the run was killed while writing it) is dropped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:  # only the last line can be torn; anything else is a damaged file
+                raise
+    return rows
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:

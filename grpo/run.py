@@ -17,6 +17,7 @@ from grpo import checkpoint as ckpt
 from grpo.config import validate_config
 from grpo.devices import allocate_devices
 from grpo.envs import EVAL_FIELDS, TASK_ENVS, make_env
+from grpo.errors import ConfigError
 from grpo.evaluation import evaluate
 from grpo.inference import make_inference
 from grpo.logger import RunLogger, profile_to
@@ -46,10 +47,15 @@ class TrainingRun:
             ckpt_path, self.resume_payload = ckpt.find_checkpoint(
                 str(cfg.resume), experiment_name=cfg.logging.experiment_name,
                 search_roots=[REPO_ROOT / "outputs", REPO_ROOT / "multirun"])
+            ckpt.check_resumable(ckpt_path, self.resume_payload, cfg)
             # continue in the original run dir: its metrics, checkpoints and wandb run
             self.run_dir = str(ckpt_path.parent.parent)
             ckpt.truncate_metrics(Path(self.run_dir) / "metrics.jsonl", self.resume_payload["step"])
             print(f"resuming from {ckpt_path} (step {self.resume_payload['step']}) into {self.run_dir}", flush=True)
+        elif (Path(self.run_dir) / "metrics.jsonl").exists():
+            raise ConfigError(f"hydra.run.dir={self.run_dir} already holds a run (its metrics.jsonl and checkpoints "
+                              f"would be mixed with this one's); pass resume={self.run_dir} to continue it, or another "
+                              "hydra.run.dir.")
         self.resolved_config = resolved_config(cfg) | {"device_allocation": self.devices.as_dict()}
 
         configure_attention_kernels(cfg)

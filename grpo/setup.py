@@ -70,6 +70,10 @@ class StopFlag:
 
     def __init__(self):
         self.signum: int | None = None
+        self.install()
+
+    def install(self) -> None:
+        """(Re)claim SIGTERM and SIGINT: ``ray.init`` replaces the SIGTERM handler with one that aborts."""
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
 

@@ -59,22 +59,31 @@ def descends_from(pid: int, ancestor: int) -> bool:
     return False
 
 
-def test_killed_worker_stops_the_run_with_its_error(tmp_path):
+def start_long_run(tmp_path) -> tuple[subprocess.Popen, list[str]]:
+    """A long async run, once it has logged a training step, and its rollout workers' pids."""
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "grpo" / "grpo-async.py"), "--config-name", "grpo_tiny",
          f"hydra.run.dir={tmp_path}", *SMALL, "train.total_steps=1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
     try:
         deadline = time.time() + 300
-        while time.time() < deadline and not (
-                (tmp_path / "metrics.jsonl").exists() and step_rows(tmp_path)):
+        while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and step_rows(tmp_path)):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(1)
         assert step_rows(tmp_path), "the run never logged a training step"
-        pids = [pid for pid in subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True,
-                                              text=True).stdout.split() if descends_from(int(pid), proc.pid)]
-        assert pids, "no rollout worker process of this run found"
+        workers = [pid for pid in subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True,
+                                                 text=True).stdout.split() if descends_from(int(pid), proc.pid)]
+        assert workers, "no rollout worker process of this run found"
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, workers
+
+
+def test_killed_worker_stops_the_run_with_its_error(tmp_path):
+    proc, pids = start_long_run(tmp_path)
+    try:
         killed_at = time.time()
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
@@ -85,3 +94,18 @@ def test_killed_worker_stops_the_run_with_its_error(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     assert "rollout worker 0 failed" in stderr, stderr[-3000:]
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_stops_the_workers(tmp_path):
+    """ray.init replaced the SIGTERM handler: the run aborted with SIGABRT and no checkpoint."""
+    proc, workers = start_long_run(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    checkpoints = sorted((tmp_path / "checkpoints").glob("step_*.pt"))
+    assert checkpoints and int(checkpoints[-1].stem.split("_")[1]) == step_rows(tmp_path)[-1]["step"]
+    assert workers and not any(os.path.exists(f"/proc/{pid}") for pid in workers)

@@ -12,7 +12,10 @@ import pytest
 import torch
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
-from grpo.checkpoint import find_checkpoint, list_checkpoints, load_latest_good, save_checkpoint
+from conftest import compose
+from grpo.checkpoint import (check_resumable, find_checkpoint, list_checkpoints, load_latest_good,
+                             restore_training_state, save_checkpoint, truncate_metrics)
+from grpo.errors import ResumeError
 
 SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",
          "eval.frequency=0", "env.num_envs=16", "env.repeats=4", "train.dialog_turns_per_batch=16",
@@ -130,3 +133,36 @@ def test_keep_last_prunes_and_leaves_no_temp_files(tmp_path):
         _save(tmp_path, step, keep_last=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000005.pt"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resume_truncation_drops_later_rows_and_a_torn_last_line(tmp_path):
+    """A run killed while writing a metrics row leaves half a line; resume used to fail on it."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 0, "event": "start"}, {"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.25}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')
+    truncate_metrics(path, 1)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows[:2]
+
+
+def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
+    """These used to end in KeyError: 'step' or a size-mismatch dump, deep inside the restore."""
+    cfg = compose("grpo_tiny")
+    (tmp_path / "metrics.jsonl").write_text("")
+    in_run_dir = tmp_path / "checkpoints" / "step_00000001.pt"
+    with pytest.raises(ResumeError, match=r"is not a checkpoint of this project \(it lacks \['step'"):
+        check_resumable(in_run_dir, {"weights": 1}, cfg)
+    payload = {key: {} for key in ("step", "model", "optimizer", "scheduler", "counters", "rng")}
+    payload["config"] = {"model": {"name": "other/model"}, "train_model": {"lora": dict(cfg.train_model.lora)}}
+    with pytest.raises(ResumeError, match=r"made with model.name='other/model', this run has .*tiny-model"):
+        check_resumable(in_run_dir, payload, cfg)
+    payload["config"]["model"]["name"] = cfg.model.name
+    check_resumable(in_run_dir, payload, cfg)  # the same model, in a run dir: fine
+    with pytest.raises(ResumeError, match=r"is not in a run dir's checkpoints/ folder"):
+        check_resumable(tmp_path / "elsewhere" / "x.pt", payload, cfg)  # the run would write into its parent
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(ResumeError, match="do not fit this model"):
+        restore_training_state({"model": torch.nn.Linear(3, 2).state_dict()}, model=model, optimizer=opt,
+                               scheduler=sched)

@@ -59,6 +59,24 @@ def test_gsm8k_rows_need_final_answer_line(tmp_path):
         load_gsm8k(str(tmp_path), "train")
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"question": None, "answer": "#### 4"}, r"row 2: the question must be non-empty text; got None"),
+    ({"question": "  ", "answer": "#### 4"}, r"row 2: the question must be non-empty text"),
+    ({"question": "q", "answer": None}, r"row 2: the answer must end with exactly one '#### N' line.*got None"),
+])
+def test_gsm8k_rows_with_missing_text_are_refused_by_row(tmp_path, row, message):
+    """Such rows used to pass the load checks and crash when drawn (or at once, with 'NoneType')."""
+    write_jsonl(tmp_path / "d.jsonl", ROWS[:2] + [row] + ROWS[2:])
+    with pytest.raises(DataError, match=message):
+        load_gsm8k(str(tmp_path / "d.jsonl"), "train")
+
+
+def test_gsm8k_non_numeric_final_answers_are_flagged(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", ROWS[:3] + [{"question": "q", "answer": "x\n#### four"}])
+    with pytest.warns(UserWarning, match=r"1 row\(s\) have a final answer that is not a number \(first: row 3\)"):
+        load_gsm8k(str(tmp_path / "d.jsonl"), "train")
+
+
 def test_unknown_hub_dataset_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
