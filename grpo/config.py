@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from omegaconf import OmegaConf
 
 from grpo.envs import TASK_ENVS
@@ -85,3 +87,12 @@ def validate_config(cfg) -> None:
              f"{im.max_model_len} (the context both engines and the compiled KV cache are sized for); raise "
              f"inference_model.max_model_len to at least {value} plus the longest prompt.")
     need(cfg.eval.frequency >= 0, f"eval.frequency={cfg.eval.frequency} must be >= 0 (0 = only before and after).")
+
+
+def warn_if_too_few_rows(cfg, train_rows: int) -> None:
+    """Legal but degenerate: a train split smaller than one step's prompts repeats prompts within every step."""
+    prompts_per_step = cfg.train.dialog_turns_per_batch // cfg.env.repeats
+    if train_rows < prompts_per_step:
+        warnings.warn(f"env.dataset={cfg.env.dataset!r} split {cfg.env.train_split!r} has {train_rows} row(s), fewer "
+                      f"than the {prompts_per_step} prompts a step draws (train.dialog_turns_per_batch / env.repeats): "
+                      "every step trains on the same prompts, several times over.")

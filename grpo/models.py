@@ -11,12 +11,27 @@ from grpo.data import looks_local
 from grpo.errors import ModelLoadError
 
 
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
 def _check_model_name(name: str) -> None:
-    if looks_local(name) and not Path(name).expanduser().exists():
+    """A local ``model.name`` must be a folder with config.json, a tokenizer and weights: say which is missing
+    (transformers' own error suggests going online, which is no help for a local folder)."""
+    if not looks_local(name):
+        return
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
         raise ModelLoadError(
             f"model.name={name!r}: no such folder. Give a local folder holding config.json and the "
-            "weights, or a hub name such as Qwen/Qwen2.5-0.5B-Instruct (needs network or a warm HF cache)."
-        )
+            "weights, or a hub name such as Qwen/Qwen2.5-0.5B-Instruct (needs network or a warm HF cache).")
+    missing = [what for what, present in (
+        ("config.json", (folder / "config.json").is_file()),
+        ("a tokenizer (tokenizer.json or tokenizer_config.json)", any(folder.glob("tokenizer*"))),
+        ("weights (*.safetensors or *.bin)", any(p for pattern in WEIGHT_FILES for p in folder.glob(pattern))),
+    ) if not present]
+    if missing:
+        raise ModelLoadError(f"model.name={name!r}: the folder lacks {', '.join(missing)}; point at the folder "
+                             "save_pretrained wrote (model and tokenizer).")
 
 
 def load_tokenizer(name: str):

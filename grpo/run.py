@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from tqdm import tqdm
 
 from grpo import checkpoint as ckpt
-from grpo.config import validate_config
+from grpo.config import validate_config, warn_if_too_few_rows
 from grpo.devices import allocate_devices
 from grpo.envs import EVAL_FIELDS, TASK_ENVS, make_env
 from grpo.errors import ConfigError
@@ -35,7 +35,7 @@ class TrainingRun:
         resolve_local_paths(cfg)
         validate_config(cfg)
         task = TASK_ENVS[cfg.env.task]
-        task.load_split(cfg.env.dataset, cfg.env.train_split)  # bad data stops here, before any model loads
+        warn_if_too_few_rows(cfg, len(task.load_split(cfg.env.dataset, cfg.env.train_split)))  # bad data stops here
         self.num_eval_problems = min(cfg.eval.num_problems, len(task.load_split(cfg.env.dataset, cfg.env.test_split)))
         self.cfg = cfg
         self.devices = allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)

@@ -3,11 +3,12 @@
 import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 from conftest import REPO, compose
-from grpo.config import validate_config
+from grpo.config import validate_config, warn_if_too_few_rows
 from grpo.errors import ConfigError, DataError
 from grpo.envs import TASK_ENVS
 
@@ -99,3 +100,12 @@ def test_a_used_run_dir_is_refused_without_resume(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "already holds a run" in errors[0] and f"resume={tmp_path}" in errors[0]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 0, "event": "start"}\n'
+
+
+def test_a_train_split_smaller_than_a_step_is_flagged():
+    cfg = compose("grpo_tiny")  # 64 replies per step in groups of 8: 8 prompts
+    with pytest.warns(UserWarning, match=r"has 1 row\(s\), fewer than the 8 prompts a step draws"):
+        warn_if_too_few_rows(cfg, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_too_few_rows(cfg, 8)
