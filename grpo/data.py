@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import datasets
+import pyarrow
 import torch
 from torch.utils.data import DataLoader
 from torchrl.envs import Compose
@@ -103,6 +104,10 @@ def load_split(
         )
     if len(ds) == 0:
         raise DataError(f"{key}={name_or_path!r} split {split!r} is empty.")
+    try:  # bytes that are not UTF-8 load fine and fail only when their row is drawn, mid-training
+        ds.data.table.validate(full=True)
+    except pyarrow.ArrowInvalid as err:
+        raise DataError(f"{key}={name_or_path!r} split {split!r}: {err}; save the file as UTF-8.") from err
     return ds
 
 

@@ -77,6 +77,14 @@ def test_gsm8k_non_numeric_final_answers_are_flagged(tmp_path):
         load_gsm8k(str(tmp_path / "d.jsonl"), "train")
 
 
+def test_text_that_is_not_utf8_is_refused_at_load(tmp_path):
+    """It used to load, then raise UnicodeDecodeError when its row was drawn."""
+    good = json.dumps(ROWS[0]).encode()
+    (tmp_path / "d.jsonl").write_bytes(good + b"\n" + good.replace(b"What", b"Wh\xe9t") + b"\n")
+    with pytest.raises(DataError, match=r"Invalid UTF8 sequence.*save the file as UTF-8"):
+        load_gsm8k(str(tmp_path / "d.jsonl"), "train")
+
+
 def test_unknown_hub_dataset_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
