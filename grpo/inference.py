@@ -45,7 +45,6 @@ class TransformersInference:
             cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens, stop_ids=stop_ids), **decode})
         self.greedy_policy = make_transformers_policy(self.model, tokenizer, gen_kwargs={**generate_kwargs(
             cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens, stop_ids=stop_ids), **decode})
-        self.version = 0
         self.push_weights(policy_model, version=0)
 
     @torch.no_grad()

@@ -236,7 +236,6 @@ class VLLMInference:
 
         self.policy = vllm_policy(False, im.max_new_tokens)
         self.greedy_policy = vllm_policy(True, cfg.eval.max_new_tokens)
-        self.version = 0
         self.push_weights(policy_model, version=0)
 
     def push_weights(self, source, version: int) -> float:

@@ -6,7 +6,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
+import torch
 from tensordict import set_list_to_stack
+
+from grpo.step import token_log_probs
 
 from tools.compose import compose_config as compose  # noqa: F401 - the tests import it from here
 
@@ -48,3 +51,10 @@ def real_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def real_gsm8k_dir() -> Path:
     return _fetched(REAL_DATA, "train.jsonl", "test.jsonl")
+
+
+def reply_log_probs(model, batch) -> torch.Tensor:
+    """``[S, R]`` log-probs the model gives a dense batch's reply tokens (no entropy, no grad needed)."""
+    lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
+                            with_entropy=False, entropy_grad=False)
+    return lp

@@ -4,14 +4,14 @@ training model object itself staying correct while it trains."""
 import pytest
 import torch
 
-from conftest import compose
+from conftest import compose, reply_log_probs
 from grpo.batch import to_training_batch
 from grpo.envs import make_collector, make_env
 from grpo.generation import generate_kwargs
 from grpo.inference import TransformersInference, compiled_decode_kwargs, make_transformers_policy
 from grpo.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
 from grpo.setup import resolve_local_paths
-from grpo.step import token_log_probs, train_mode_if
+from grpo.step import train_mode_if
 
 
 @pytest.fixture(scope="module")
@@ -130,12 +130,6 @@ def test_top_k_is_off_by_default_and_reaches_generate(tiny):
         assert outside_top(3, temperature=20.0, top_k=3) == 0
     finally:
         cfg.inference_model.temperature, cfg.inference_model.top_k = saved
-
-
-def reply_log_probs(model, batch) -> torch.Tensor:
-    lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
-                            with_entropy=False, entropy_grad=False)
-    return lp
 
 
 def greedy_replies(inference, cfg, tok) -> list[list[int]]:

@@ -11,7 +11,7 @@ from torchrl.collectors.llm import LLMCollector
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
-from conftest import compose
+from conftest import compose, reply_log_probs
 from grpo.batch import prompt_group_ids, to_training_batch, trim_padding
 from grpo.envs import make_env
 from grpo.generation import generate_kwargs
@@ -45,12 +45,6 @@ def setup(tiny_model_dir, tiny_data_dir):
 
 def terms_of(cfg, model, batch, forward=None) -> dict:
     return grpo_terms(model, batch, GRPOSettings.from_config(cfg), forward)
-
-
-def reply_log_probs(model, batch) -> torch.Tensor:
-    lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
-                            with_entropy=False, entropy_grad=False)
-    return lp
 
 
 def unpadded_reply_log_probs(model, sample) -> torch.Tensor:
