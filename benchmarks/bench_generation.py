@@ -1,17 +1,22 @@
 #!/usr/bin/env python
-"""Rollout generation with transformers: eager decoding vs the compiled static-cache decode step.
+"""Rollout generation on one GPU: transformers' ``generate`` against our decode loop (grpo.decoding).
 
-    python benchmarks/bench_generation.py --device cuda --random-init-shape qwen2.5-0.5b --max-new-tokens 64
+    python benchmarks/bench_generation.py --shapes qwen2.5-0.5b,qwen2.5-1.5b --batches 64,128 --max-new-tokens 512
+    python benchmarks/bench_generation.py --device cpu --shapes tiny-wide-vocab --batches 8 --max-new-tokens 16   # smoke test
 
-Each variant collects ``--calls`` rollout batches of P prompts x G replies through the project's
-own path (``GSM8KTaskEnv`` + ``grpo.envs.make_collector`` + ``make_transformers_policy``), with the
-rollout config's sampling settings; the variants differ only in the ``generate`` options of
-``grpo.models.compiled_decode_kwargs``. Every batch has different prompts (so different prompt
-widths). It prints, per variant, the first call (which pays any compile) and the mean of the others:
-seconds per batch, generated tokens/s, and the time inside ``model.generate`` alone (the rest is
-TorchRL's history-mode round trip: chat template, tokenising, unpadding, log-probs), and how far
-the sampler's log-probs are from an eager teacher-forced forward of the same weights, also after
-an in-place update of the weights (what the optimiser does between rollouts).
+For each random-init model shape (bench_vs_trl's) and batch size, the same left-padded GSM8K chat
+prompts (``--prompts-per-batch`` questions x the rest as repeats, as a rollout batch) are sampled
+with the rollout settings (temperature 1, top_k/top_p off) by:
+
+* ``hf``: ``model.generate`` as TorchRL's wrapper calls it (``output_logits``: full logits per token);
+* ``ours``: ``grpo.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch).
+
+After one warm-up call (which pays compilation), ``--calls`` timed calls give generated tokens/s
+(tokens up to each reply's end), the decode bound (batch x memory bandwidth / bytes of weights:
+every decode step must read all weights once), the percentage of it reached, and the peak GPU
+memory over the timed calls, next to weights + KV cache. The bandwidth is measured here (a large
+device-to-device copy), not taken from a data sheet. Our sampler's log-probs are compared with a
+teacher-forced forward of the same weights (mean |difference| per token).
 """
 
 from __future__ import annotations
@@ -30,138 +35,179 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="assets/tiny-model", help="local model folder")
-    p.add_argument("--random-init-shape", default=None, help="a random-init shape of bench_vs_trl (e.g. qwen2.5-0.5b)")
-    p.add_argument("--data", default="data/gsm8k_tiny", help="GSM8K-format data folder")
+    p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b", help="comma list of bench_vs_trl random-init shapes")
+    p.add_argument("--tokenizer", default="assets/tiny-model", help="tokenizer folder for the random-init models")
+    p.add_argument("--data", default="data/gsm8k_tiny/train.jsonl", help="GSM8K-format questions")
     p.add_argument("--device", default="cuda", help="cuda or cpu")
-    p.add_argument("--dtype", default="bfloat16", help="model dtype on GPU")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per batch")
-    p.add_argument("--repeats", type=int, default=8, help="replies per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="reply length cap")
-    p.add_argument("--calls", type=int, default=6, help="batches per variant (the first pays warm-up)")
-    p.add_argument("--variants", default="eager,static512,static_grow",
-                   help="comma list of: eager, static<N> (static cache of N positions, compiled), static_grow "
-                        "(static cache sized by transformers per call, compiled)")
+    p.add_argument("--batches", default="64,128", help="comma list of replies per generate call")
+    p.add_argument("--prompts-per-batch", type=int, default=16, help="distinct questions per batch (rest: repeats)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap")
+    p.add_argument("--calls", type=int, default=2, help="timed calls per variant, after one warm-up call")
+    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours")
+    p.add_argument("--cache-bucket", type=int, default=128, help="ours: KV cache length rounding (inference_model.cache_bucket)")
+    p.add_argument("--profile", action="store_true", help="ours: print the GPU kernels of one more call (torch.profiler)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
 
-def decode_options(variant: str) -> dict:
-    if variant == "eager":
-        return {}
-    if variant == "static_grow":
-        return {"cache_implementation": "static"}
-    if variant.startswith("static"):
-        return {"cache_implementation": "static", "max_cache_len": int(variant[len("static"):])}
-    raise SystemExit(f"unknown variant {variant!r}")
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (it reads and writes every byte)."""
+    import torch
+
+    src = torch.empty(2**29, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 10 * 2 * src.numel() * 4 / (time.perf_counter() - t0)
 
 
-def sampler_trainer_gap(model, rollouts, tokenizer, stop_ids) -> float:
-    """Mean |sampler's log-prob - an eager teacher-forced forward's| per reply token: the
-    ``trainer_sampler_log_ratio_abs`` the training step logs with truncated IS on."""
-    from grpo.batch import to_training_batch
-    from grpo.step import score_replies
+def chat_prompts(tok, data: str, questions: int, batch: int):
+    """``batch`` left-padded prompts: ``questions`` GSM8K questions, each repeated as a GRPO group."""
+    import torch
+    from torchrl.envs.llm import GSM8KEnv
 
-    batch = to_training_batch(rollouts, tokenizer.pad_token_id, stop_ids)
-    gap = (score_replies(batch, model, rollouts.numel()) - batch["behaviour_log_probs"]) * batch["reply_mask"]
-    return float(gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1))
+    rows = [json.loads(line) for line in open(REPO / data)][:questions]
+    chats = [[{"role": "system", "content": GSM8KEnv.SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}]
+             for r in rows]
+    chats = [chats[i * len(chats) // batch] for i in range(batch)]
+    enc = tok.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", padding=True,
+                                  padding_side="left", return_dict=True)
+    return enc["input_ids"], enc["attention_mask"].to(torch.long)
+
+
+def reply_tokens(sequences, prompt_len: int, stop_ids, pad_id) -> int:
+    """Generated tokens up to and including each reply's first stop token."""
+    import torch
+
+    replies = sequences[:, prompt_len:]
+    ended = torch.isin(replies, torch.tensor(stop_ids, device=replies.device))
+    before_end = (ended.long().cumsum(1) - ended.long()) == 0
+    return int(before_end.sum())
+
+
+def log_prob_gap(model, out, input_ids, attention_mask, pad_id) -> float:
+    """Mean |sampler log-prob - teacher-forced log-prob| over the reply tokens of 8 replies."""
+    import torch
+
+    seq, prompt_len = out["sequences"][:8], input_ids.shape[1]
+    mask = torch.cat([attention_mask[:8], (seq[:, prompt_len:] != pad_id).long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
+    lp = logits[:, prompt_len - 1:-1].float().log_softmax(-1).gather(-1, seq[:, prompt_len:, None])[..., 0]
+    valid = mask[:, prompt_len:].bool()
+    return float((lp - out["logits"].T[:8]).abs()[valid].mean())
+
+
+def print_kernel_profile(call) -> None:
+    """The GPU kernels of one call, heaviest first: where a decode step's time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
+
+
+def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
+    import torch
+    from bench_vs_trl import build_random_init_model
+
+    from grpo.decoding import ReplySampler
+    from grpo.models import load_causal_lm, load_tokenizer, stop_token_ids
+
+    device = torch.device(args.device)
+    model_dir = build_random_init_model(shape, str(REPO / args.tokenizer), Path(tempfile.mkdtemp()) / shape, seed=0)
+    tok = load_tokenizer(str(model_dir))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_causal_lm(str(model_dir), tok, dtype=dtype, device=device).eval().requires_grad_(False)
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    text = model.config.get_text_config()
+    kv_bytes_per_token = (2 * text.num_hidden_layers * text.num_key_value_heads
+                          * (text.hidden_size // text.num_attention_heads) * torch.finfo(dtype).bits // 8)
+    options = dict(max_new_tokens=args.max_new_tokens, eos_token_id=stop_ids, pad_token_id=tok.pad_token_id,
+                   do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        input_ids, attention_mask = (t.to(device) for t in chat_prompts(tok, args.data, args.prompts_per_batch, batch))
+        for variant in args.variants.split(","):
+            if variant == "hf":
+                model.set_attn_implementation("sdpa")  # transformers' own path, as before this project's loop
+                call = lambda: model.generate(input_ids=input_ids, attention_mask=attention_mask,  # noqa: E731
+                                              output_logits=True, return_dict_in_generate=True, **options)
+            else:
+                sampler = ReplySampler(model, compile=True, cache_bucket=args.cache_bucket)
+                call = lambda: sampler.generate(input_ids, attention_mask, **options)  # noqa: E731
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            t0 = time.perf_counter()
+            out = call()
+            sync()
+            warmup_s = time.perf_counter() - t0
+            del out
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            seconds, tokens = 0.0, 0
+            for _ in range(args.calls):
+                out = None  # hf's full logits for 128 x 512 tokens are 40 GB: never hold two calls' at once
+                t0 = time.perf_counter()
+                out = call()
+                sync()
+                seconds += time.perf_counter() - t0
+                tokens += reply_tokens(out["sequences"], input_ids.shape[1], stop_ids, tok.pad_token_id)
+            row = {"shape": shape, "batch": batch, "variant": variant, "prompt_len": input_ids.shape[1],
+                   "warmup_call_s": round(warmup_s, 2), "call_s": round(seconds / args.calls, 3),
+                   "tokens_per_s": round(tokens / seconds, 1), "weights_gb": round(weight_bytes / 1e9, 3)}
+            if bandwidth:  # before the log-prob check below, whose full-vocabulary forward is not generation
+                row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+            if variant == "ours":
+                row["kv_cache_gb"] = round(sampler.kv_cache(batch, 1)[0] * batch * kv_bytes_per_token / 1e9, 3)
+                row["log_prob_gap"] = log_prob_gap(model, out, input_ids, attention_mask, tok.pad_token_id)
+            if args.profile and variant == "ours" and device.type == "cuda":
+                print_kernel_profile(call)
+            if bandwidth:
+                row["bound_tokens_per_s"] = round(batch * bandwidth / weight_bytes)
+                row["pct_of_bound"] = round(100 * row["tokens_per_s"] / row["bound_tokens_per_s"], 1)
+            del out
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
-    from tensordict import set_list_to_stack
 
-    from grpo.envs import make_collector, make_env
-    from grpo.generation import generate_kwargs
-    from grpo.inference import make_transformers_policy
-    from grpo.models import configure_attention_kernels, load_causal_lm, load_tokenizer, stop_token_ids
-    from grpo.setup import resolve_local_paths
-    from tools.compose import compose_config
-
-    set_list_to_stack(True).set()
-    model_dir = args.model
-    if args.random_init_shape:
-        from bench_vs_trl import build_random_init_model
-
-        model_dir = str(build_random_init_model(args.random_init_shape, str(REPO / args.model),
-                                                Path(tempfile.mkdtemp()) / "model", seed=0))
-    batch = args.prompts * args.repeats
-    cfg = compose_config("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={args.data}",
-                                       f"env.repeats={args.repeats}", f"env.num_envs={batch}",
-                                       f"inference_model.max_new_tokens={args.max_new_tokens}"])
-    resolve_local_paths(cfg)
-    configure_attention_kernels(cfg)
     device = torch.device(args.device)
-    tok = load_tokenizer(cfg.model.name)
-    dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
-    model = load_causal_lm(cfg.model.name, tok, dtype=dtype, device=device).eval()
-    stop_ids = stop_token_ids(tok, model.generation_config)
-
-    inside = []
-    original_generate = model.generate
-
-    def timed_generate(*a, **kw):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = original_generate(*a, **kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        inside.append(time.perf_counter() - t0)
-        return out
-
-    model.generate = timed_generate
-    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "batch": batch,
-               "max_new_tokens": args.max_new_tokens, "variants": {}}
-    for variant in args.variants.split(","):
-        torch.manual_seed(0)
-        env = make_env(cfg, tok, split="train", repeats=args.repeats, num_envs=batch)
-        policy = make_transformers_policy(model, tok, gen_kwargs={
-            **generate_kwargs(cfg, tok, greedy=False, max_new_tokens=args.max_new_tokens, stop_ids=stop_ids),
-            **decode_options(variant)})
-        collector = make_collector(env, policy, batch)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        inside.clear()
-        walls, tokens = [], []
-        iterator = iter(collector)
-        for _ in range(args.calls):
-            t0 = time.perf_counter()
-            rollouts = next(iterator).reshape(-1)
-            walls.append(time.perf_counter() - t0)
-            tokens.append(sum(int(r["tokens", "response"].shape[-1]) for r in rollouts.unbind(0)))
-        # the sampler's log-probs against an eager teacher-forced forward of the same weights: the
-        # compiled decode step must sample from the model the trainer scores
-        gap = sampler_trainer_gap(model, rollouts, tok, stop_ids)
-        # the optimiser updates weights in place; a compiled decode step must see the new values
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(torch.randn_like(param) * 0.1 * param.float().std().to(param.dtype))
-        gap_after_update = sampler_trainer_gap(model, next(iterator).reshape(-1), tok, stop_ids)
-        rest = slice(1, None) if args.calls > 1 else slice(None)
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        row = {
-            "first_call_s": walls[0], "first_generate_s": inside[0],
-            "batch_s": mean(walls[rest]), "generate_s": mean(inside[rest]),
-            "tokens_per_s": sum(tokens[rest]) / sum(walls[rest]),
-            "per_call_s": [round(w, 3) for w in walls], "tokens_per_call": tokens,
-            "logprob_gap_mean_abs": gap, "logprob_gap_after_update": gap_after_update,
-            "peak_cuda_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
-        }
-        results["variants"][variant] = row
-        print(f"{variant:>12}: first {row['first_call_s']:.2f} s, then {row['batch_s']:.3f} s/batch "
-              f"(generate {row['generate_s']:.3f} s), {row['tokens_per_s']:.0f} tokens/s; calls {row['per_call_s']}; "
-              f"|sampler - trainer| log-prob {row['logprob_gap_mean_abs']:.4f}, "
-              f"after an in-place weight update {row['logprob_gap_after_update']:.4f}",
-              flush=True)
-    base = results["variants"].get("eager")
-    if base:
-        for name, row in results["variants"].items():
-            if name != "eager":
-                print(f"{name}: {base['batch_s'] / row['batch_s']:.2f}x eager per batch")
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2) if bandwidth else None,
+              "max_new_tokens": args.max_new_tokens, "calls": args.calls}
+    print(json.dumps(header), flush=True)
+    rows = [row for shape in args.shapes.split(",") for row in run_shape(args, shape, bandwidth)]
+    print(f"\n{'shape':<14}{'batch':>6} {'variant':<8}{'tokens/s':>10}{'% bound':>9}{'peak GB':>9}"
+          f"{'weights+KV':>11}{'call s':>8}{'warm-up s':>10}")
+    for r in rows:
+        fixed = r["weights_gb"] + r.get("kv_cache_gb", 0)
+        print(f"{r['shape']:<14}{r['batch']:>6} {r['variant']:<8}{r['tokens_per_s']:>10.0f}"
+              f"{r.get('pct_of_bound', float('nan')):>9.1f}{r.get('peak_gb', float('nan')):>9.2f}{fixed:>11.2f}"
+              f"{r['call_s']:>8.2f}{r['warmup_call_s']:>10.1f}")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for batch in dict.fromkeys(r["batch"] for r in rows):
+            pair = {r["variant"]: r for r in rows if r["shape"] == shape and r["batch"] == batch}
+            if {"hf", "ours"} <= set(pair):
+                print(f"{shape} batch {batch}: ours/hf tokens/s = "
+                      f"{pair['ours']['tokens_per_s'] / pair['hf']['tokens_per_s']:.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -209,13 +209,18 @@ class GreedyEvaluator:
         self.max_new_tokens = spec["max_new_tokens"]
 
     def __call__(self, model) -> dict:
+        from grpo.decoding import ReplySampler
         from grpo.evaluation import evaluate
         from grpo.inference import make_transformers_policy
+        from grpo.models import stop_token_ids
 
         was_training = model.training
         model.eval()
-        policy = make_transformers_policy(model, self.tokenizer,
-                                          gen_kwargs={"max_new_tokens": self.max_new_tokens, "do_sample": False})
+        # the same eager decode loop for both sides' models: equal footing, nothing to compile
+        policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=128), self.tokenizer,
+                                          gen_kwargs={"max_new_tokens": self.max_new_tokens, "do_sample": False,
+                                                      "eos_token_id": stop_token_ids(self.tokenizer, model.generation_config),
+                                                      "pad_token_id": self.tokenizer.pad_token_id})
         t0 = time.perf_counter()
         result = evaluate(self.env, policy, self.num_problems, self.fields)
         result["eval/time_s"] = time.perf_counter() - t0
@@ -433,11 +438,11 @@ def eval_checkpoint_worker(spec: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo.checkpoint import list_checkpoints
+    from grpo.checkpoint import list_checkpoints, load_checkpoint
 
     run_dir = Path(spec["workdir"]) / "ours"
     ckpt = list_checkpoints(run_dir / "checkpoints")[-1]
-    payload = torch.load(ckpt, map_location="cpu", weights_only=False)
+    payload = load_checkpoint(ckpt)
     tokenizer = _load_tokenizer(spec)
     device = "cuda:0" if spec["device"] == "cuda" else "cpu"
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=_torch_dtype(spec["dtype"]))

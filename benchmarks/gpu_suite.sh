@@ -31,9 +31,9 @@ for part in $PARTS; do
     trl) bench_vs_trl trl 540 ;;
     trl_compiled) bench_vs_trl trl_compiled 560 --ours-override train_model.compile=true ;;
     generation)
-      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_generation.py --device cuda --random-init-shape qwen2.5-0.5b \
-        --max-new-tokens 64 --calls 6 --variants eager,static512 --out "$OUT/generation.json" > "$OUT/generation.log" 2>&1
-      echo "== generation rc=$?"; grep -E "^ *(eager|static)" "$OUT/generation.log" ;;
+      CUDA_VISIBLE_DEVICES=0 timeout 300 python3 benchmarks/bench_generation.py --device cuda --shapes qwen2.5-0.5b \
+        --batches 64 --max-new-tokens 512 --calls 2 --out "$OUT/generation.json" > "$OUT/generation.log" 2>&1
+      echo "== generation rc=$?"; tail -4 "$OUT/generation.log" ;;
     syncasync)
       timeout 220 python3 benchmarks/bench_sync_async.py --steps 6 --warmup 1 --out "$OUT/sync_async.json" -- \
         allow_cpu=false "train_model.devices=[0]" "inference_model.devices=[1]" eval.num_problems=16 \

@@ -1,8 +1,15 @@
-"""Checkpoints: trainable weights (or only LoRA adapters), optimiser, LR schedule,
-counters, RNG states and the resolved config, written atomically (temp file + rename)."""
+"""Checkpoints: trainable weights (or only LoRA adapters), optimiser, LR schedule, counters, RNG
+states and the resolved config, in a form that cannot run code when loaded.
+
+On disk, ``step_N.json`` holds everything that is not a tensor and names ``step_N.<hash>.safetensors``,
+which holds the tensors, with its sha256. The JSON is written last, by an atomic rename: it is the
+commit, so a reader sees the old set of files or the new complete checkpoint. Older versions wrote
+pickled ``step_N.pt`` files; those are never loaded, since unpickling can run arbitrary code.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -13,21 +20,31 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 from grpo.errors import ResumeError
 from grpo.logger import read_metrics
 
-CKPT_PATTERN = re.compile(r"^step_(\d+)\.pt$")
+CKPT_PATTERN = re.compile(r"^step_(\d+)\.json$")
+TENSORS_PATTERN = re.compile(r"^step_(\d+)\.[0-9a-f]+\.safetensors$")
+# JSON stand-ins for what it cannot hold: a tensor (named in the safetensors file), a tuple, a dict
+# with non-string keys (optimiser state is keyed by parameter index)
+TENSOR, TUPLE, ITEMS = "__tensor__", "__tuple__", "__items__"
+PICKLED = ("pickled checkpoints (step_*.pt, written by older versions) are not loaded: unpickling can run "
+           "arbitrary code")
+FRESH = "resume from a step_*.json checkpoint, or start without resume."
 
 
 def trainable_state_dict(model) -> dict:
     """Only what training changes: every weight of a full fine-tune, the adapters of a LoRA one."""
     names = {n for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k in names}
+    return {k: v for k, v in model.state_dict().items() if k in names}
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, key, *rest = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(key.copy()), *rest),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -35,39 +52,131 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, key, *rest = state["numpy"]
+    np.random.set_state((kind, key.numpy(), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _to_json(obj, tensors: dict, key: str):
+    """``obj`` as JSON values; each tensor goes into ``tensors`` (a CPU copy of its own) under its path."""
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = obj.detach().to("cpu", copy=True).contiguous()  # safetensors refuses shared storage
+        return {TENSOR: key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _to_json(v, tensors, f"{key}/{k}") for k, v in obj.items()}
+        return {ITEMS: [[k, _to_json(v, tensors, f"{key}/{k}")] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        items = [_to_json(v, tensors, f"{key}/{i}") for i, v in enumerate(obj)]
+        return {TUPLE: items} if isinstance(obj, tuple) else items
+    return obj
+
+
+def _from_json(obj, tensors: dict):
+    if isinstance(obj, dict):
+        if TENSOR in obj:
+            return tensors[obj[TENSOR]]
+        if TUPLE in obj:
+            return tuple(_from_json(v, tensors) for v in obj[TUPLE])
+        if ITEMS in obj:
+            return {k: _from_json(v, tensors) for k, v in obj[ITEMS]}
+        return {k: _from_json(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_from_json(v, tensors) for v in obj]
+    return obj
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_durably(path: Path, write) -> None:
+    """``write(tmp)``, then fsync, so a rename that follows publishes complete bytes."""
+    write(path)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, counters: dict,
-                    resolved_config: dict, extra: dict | None = None, keep_last: int | None = None) -> Path:
+                    resolved_config: dict, extra: dict | None = None, keep_last: int | None = None,
+                    rng: dict | None = None) -> Path:
+    """Write ``step_N.json`` and its tensors; returns the JSON's path. ``extra``: the scripts' own state,
+    plain JSON values (loaded back as JSON gives them: tuples as lists). ``rng``: RNG states taken
+    earlier (default: now)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    payload = {
+    tensors: dict = {}
+    record = {
         "step": step,
-        "model": trainable_state_dict(model),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
+        "model": _to_json(trainable_state_dict(model), tensors, "model"),
+        "optimizer": _to_json(optimizer.state_dict(), tensors, "optimizer"),
+        "scheduler": _to_json(scheduler.state_dict(), tensors, "scheduler"),
         "counters": counters,
-        "rng": rng_state(),
+        "rng": _to_json(rng or rng_state(), tensors, "rng"),
         "config": resolved_config,
-        **(extra or {}),
     }
-    path = ckpt_dir / f"step_{step:08d}.pt"
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(payload, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees the old set of files or the new complete one
-    if keep_last:
-        for old in list_checkpoints(ckpt_dir)[:-keep_last]:
-            old.unlink(missing_ok=True)
+    for key, value in (extra or {}).items():
+        if key in record or key == "tensors":
+            raise ValueError(f"checkpoint extra {key!r} would overwrite the checkpoint's own {key!r}")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"checkpoint extra {key!r} is not JSON-serialisable ({err}); checkpoints hold "
+                            "plain numbers, strings, lists and dicts") from err
+        record[key] = value
+    for stale in ckpt_dir.glob("step_*.tmp"):  # left by a run killed mid-write
+        stale.unlink()
+
+    tmp = ckpt_dir / f"step_{step:08d}.safetensors.tmp"
+    _write_durably(tmp, lambda p: save_file(tensors, p))
+    digest = _sha256(tmp)
+    tensors_file = ckpt_dir / f"step_{step:08d}.{digest[:16]}.safetensors"
+    os.replace(tmp, tensors_file)  # a new name: the JSON of an earlier save of this step still points at its own
+    record["tensors"] = {"file": tensors_file.name, "sha256": digest}
+    path, tmp = ckpt_dir / f"step_{step:08d}.json", ckpt_dir / f"step_{step:08d}.json.tmp"
+    _write_durably(tmp, lambda p: p.write_text(json.dumps(record, indent=1)))
+    os.replace(tmp, path)  # the commit
+    dir_fd = os.open(ckpt_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the renames themselves survive a power cut
+    finally:
+        os.close(dir_fd)
+
+    for old in list_checkpoints(ckpt_dir)[:-keep_last] if keep_last else []:
+        old.unlink(missing_ok=True)
+    committed = {int(CKPT_PATTERN.match(p.name).group(1)) for p in list_checkpoints(ckpt_dir)}
+    for other in ckpt_dir.iterdir():  # tensors no JSON names any more: pruned, replaced, or never committed
+        m = TENSORS_PATTERN.match(other.name)
+        if m and other != tensors_file and (int(m.group(1)) == step or int(m.group(1)) not in committed):
+            other.unlink(missing_ok=True)
     return path
 
 
+def load_checkpoint(path: Path) -> dict:
+    """A checkpoint's contents, tensors in place, after checking its tensors against their sha256.
+    A JSON file that is not one of ours comes back as it is, for ``check_resumable`` to refuse."""
+    path = Path(path)
+    record = json.loads(path.read_text())
+    if not isinstance(record, dict) or "tensors" not in record:
+        return record
+    tensors = record.pop("tensors")
+    name, digest = tensors["file"], tensors["sha256"]
+    tensors_file = path.parent / name
+    if not TENSORS_PATTERN.match(name):
+        raise ValueError(f"names tensors {name!r}, not a step_*.safetensors file beside it")
+    if _sha256(tensors_file) != digest:
+        raise ValueError(f"{name} does not match its sha256: the file is damaged")
+    return _from_json(record, load_file(tensors_file))
+
+
 def list_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The committed checkpoints (their JSON files), oldest first."""
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
         return []
@@ -76,11 +185,11 @@ def list_checkpoints(ckpt_dir: Path) -> list[Path]:
 
 
 def load_latest_good(ckpt_dir: Path) -> tuple[Path, dict] | None:
-    """The newest checkpoint that loads; corrupt or partial ones are skipped with a warning."""
+    """The newest checkpoint that loads; damaged ones are skipped with a warning."""
     for path in reversed(list_checkpoints(ckpt_dir)):
         try:
-            return path, torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as err:  # truncated zip, bad pickle, ... all mean "not usable"
+            return path, load_checkpoint(path)
+        except Exception as err:  # bad JSON, missing or damaged tensors, ... all mean "not usable"
             warnings.warn(f"checkpoint {path} is unreadable ({type(err).__name__}: {err}); trying an older one")
     return None
 
@@ -93,7 +202,7 @@ def check_resumable(path: Path, payload, cfg) -> None:
     missing = [key for key in PAYLOAD_KEYS if key not in payload] if isinstance(payload, dict) else PAYLOAD_KEYS
     if missing:
         raise ResumeError(f"resume: {path} is not a checkpoint of this project (it lacks {list(missing)}); give a run "
-                          "dir or one of its checkpoints/step_*.pt.")
+                          "dir or one of its checkpoints/step_*.json.")
     run_dir = path.parent.parent
     if path.parent.name != cfg.logging.checkpoint_dir or not (run_dir / "metrics.jsonl").is_file():
         raise ResumeError(f"resume: {path} is not in a run dir's {cfg.logging.checkpoint_dir}/ folder (next to its "
@@ -137,23 +246,29 @@ def find_checkpoint(resume: str, *, experiment_name: str, search_roots: list[Pat
             if found:
                 return found
         raise ResumeError(f"resume=auto: no run of logging.experiment_name={experiment_name!r} with a readable "
-                          f"checkpoint under {[str(r) for r in search_roots]}; start without resume.")
+                          f"checkpoint under {[str(r) for r in search_roots]}; {PICKLED}; start without resume.")
     path = Path(resume).expanduser()
     if path.is_file():
+        if not CKPT_PATTERN.match(path.name):
+            raise ResumeError(f"resume={resume}: {PICKLED}; {FRESH}" if path.suffix == ".pt" else
+                              f"resume={resume}: not a checkpoint; give a run dir or one of its "
+                              "checkpoints/step_*.json.")
         try:
-            return path, torch.load(path, map_location="cpu", weights_only=False)
+            return path, load_checkpoint(path)
         except Exception as err:
             previous = load_latest_good(path.parent)
             if previous is None:
-                raise ResumeError(f"resume={resume}: unreadable ({type(err).__name__}) and no older checkpoint "
-                                  "beside it.") from err
-            warnings.warn(f"resume={resume} is unreadable ({type(err).__name__}); using {previous[0]}")
+                raise ResumeError(f"resume={resume}: unreadable ({type(err).__name__}: {err}) and no older "
+                                  "checkpoint beside it.") from err
+            warnings.warn(f"resume={resume} is unreadable ({type(err).__name__}: {err}); using {previous[0]}")
             return previous
     for folder in (path / "checkpoints", path):
         found = load_latest_good(folder)
         if found:
             return found
-    raise ResumeError(f"resume={resume}: no readable step_*.pt checkpoint there or in its checkpoints/ folder; "
+    pickled = list(path.glob("step_*.pt")) + list(path.glob("checkpoints/step_*.pt"))
+    raise ResumeError(f"resume={resume}: {PICKLED}; {FRESH}" if pickled else
+                      f"resume={resume}: no readable step_*.json checkpoint there or in its checkpoints/ folder; "
                       "give a run dir, a checkpoint file, or resume=auto.")
 
 

@@ -20,9 +20,23 @@ def validate_config(cfg) -> None:
     # counts first: the divisibility checks below would divide by them
     for key in ("env.num_envs", "train.dialog_turns_per_batch", "train.optim_batch_size",
                 "train.gradient_accumulation_steps", "eval.batch_size", "eval.num_problems",
-                "inference_model.max_new_tokens"):
+                "inference_model.max_new_tokens", "eval.max_new_tokens"):
         value = OmegaConf.select(cfg, key)
         need(isinstance(value, int) and value >= 1, f"{key}={value!r} must be a whole number >= 1.")
+    # a typo such as optimizer.lr=1e-4x would otherwise end in a TypeError traceback below
+    for key in ("optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio", "optimizer.weight_decay",
+                "optimizer.eps", "optimizer.clip_grad_norm", "optimizer.betas.0", "optimizer.betas.1",
+                "inference_model.temperature", "inference_model.top_p", "inference_model.max_model_len",
+                "inference_model.gpu_memory_utilization", "train.kl_to_ref_coeff", "train.kl_to_inference_coeff",
+                "train.entropy_coeff", "env.repeats", "train.total_steps", "train.epochs", "train.clip_epsilon_low",
+                "train.clip_epsilon_high", "train.num_collectors", "train.buffer_size", "train.weight_update_frequency",
+                "train.max_policy_lag", "train.checkpoint_frequency", "eval.frequency"):
+        value = OmegaConf.select(cfg, key)
+        need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key}={value!r} must be a number.")
+    for key in ("train.inference_is_cap", "logging.keep_last", "logging.profile_step"):
+        value = OmegaConf.select(cfg, key)
+        need(value is None or isinstance(value, (int, float)) and not isinstance(value, bool),
+             f"{key}={value!r} must be a number or null.")
     need(isinstance(cfg.seed, int) and cfg.seed >= 0, f"seed={cfg.seed!r} must be a whole number >= 0 (numpy "
          "refuses negative seeds); e.g. seed=0.")
     o, im = cfg.optimizer, cfg.inference_model
@@ -36,6 +50,8 @@ def validate_config(cfg) -> None:
     need(im.temperature > 0, f"inference_model.temperature={im.temperature} must be > 0: GRPO needs sampled, "
          "different replies within a group (eval is greedy anyway); the default is 1.0.")
     need(0 < im.top_p <= 1, f"inference_model.top_p={im.top_p} must be in (0, 1] (1 = off).")
+    need(isinstance(im.cache_bucket, int) and im.cache_bucket > 0, f"inference_model.cache_bucket={im.cache_bucket!r} "
+         "must be a whole number of tokens > 0 (the KV cache length is rounded up to a multiple of it).")
     for key in ("train.kl_to_ref_coeff", "train.kl_to_inference_coeff", "train.entropy_coeff"):
         value = OmegaConf.select(cfg, key)
         need(value >= 0, f"{key}={value} must be >= 0 (a negative weight rewards moving away); 0 turns the term off.")
@@ -66,6 +82,8 @@ def validate_config(cfg) -> None:
     need(t.num_collectors >= 1, f"train.num_collectors={t.num_collectors} must be >= 1.")
     need(t.buffer_size >= 1, f"train.buffer_size={t.buffer_size} must be >= 1 (batches the async FIFO holds).")
     need(t.weight_update_frequency >= 1, f"train.weight_update_frequency={t.weight_update_frequency} must be >= 1.")
+    need(type(t.max_worker_restarts) is int and t.max_worker_restarts >= 0, f"train.max_worker_restarts="
+         f"{t.max_worker_restarts!r} must be a whole number >= 0 (0 = a failed rollout worker stops the run).")
     need(t.max_policy_lag >= t.weight_update_frequency - 1, f"train.max_policy_lag={t.max_policy_lag} is below "
          f"train.weight_update_frequency - 1 = {t.weight_update_frequency - 1}: every async batch would be too stale; "
          f"raise train.max_policy_lag to at least {t.weight_update_frequency - 1}.")
@@ -84,9 +102,15 @@ def validate_config(cfg) -> None:
          "reply; <answer> still wins when present).")
     for key, value in (("inference_model.max_new_tokens", im.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
         need(value < im.max_model_len, f"{key}={value} leaves no room for the prompt in inference_model.max_model_len="
-             f"{im.max_model_len} (the context both engines and the compiled KV cache are sized for); raise "
+             f"{im.max_model_len} (the context both engines are sized for); raise "
              f"inference_model.max_model_len to at least {value} plus the longest prompt.")
     need(cfg.eval.frequency >= 0, f"eval.frequency={cfg.eval.frequency} must be >= 0 (0 = only before and after).")
+    need(t.checkpoint_frequency >= 0, f"train.checkpoint_frequency={t.checkpoint_frequency} must be >= 0 (0 = only "
+         "at the end).")
+    need(cfg.logging.keep_last is None or cfg.logging.keep_last >= 0, f"logging.keep_last={cfg.logging.keep_last} "
+         "must be >= 0 (0 or null: keep every checkpoint).")
+    need(0 < im.gpu_memory_utilization <= 1, f"inference_model.gpu_memory_utilization={im.gpu_memory_utilization} "
+         "must be in (0, 1] (vLLM's share of its device's memory).")
 
 
 def warn_if_too_few_rows(cfg, train_rows: int) -> None:

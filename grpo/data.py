@@ -1,11 +1,12 @@
-"""Task data: loading a split from a hub name or a local path, and the prompt stream's position.
+"""Task data: loading a split from a hub name or a local path, and the order prompts are drawn in.
 
 TorchRL's dataset envs call ``datasets.load_dataset(name, config)``, which only
 understands hub names (a local jsonl fails with ``BuilderConfig 'main' not found``).
 ``load_split`` accepts both, so runs work offline on the files the project ships.
 
-``PositionedLoader`` counts the prompt batches an env has drawn; a checkpoint stores that
-count (``data_position``) and a resumed run skips to it (``skip_to_position``).
+``PromptStream`` fixes which prompts batch ``k`` holds, ``serve_from`` points an env at a batch,
+and ``PromptLedger`` records which batches were consumed: the prompt-stream state a checkpoint
+stores, so a resumed run trains each prompt as often as a run that was never stopped.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import datasets
+import numpy as np
 import pyarrow
 import torch
-from torch.utils.data import DataLoader
 from torchrl.envs import Compose
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
-from grpo.errors import DataError
+from grpo.errors import DataError, ResumeError
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -39,6 +40,9 @@ def _split_file(folder: Path, split: str) -> Path | None:
 
 
 def _read_file(path: Path, key: str, name_or_path: str) -> datasets.Dataset:
+    if path.stat().st_size == 0:  # datasets' own message for it is "StopIteration"
+        raise DataError(f"{key}={name_or_path!r}: {path} is empty; put the split's rows there (one JSON object per "
+                        "line for .jsonl).")
     try:
         return datasets.load_dataset(LOCAL_SUFFIXES.get(path.suffix, "json"), data_files=str(path), split="train")
     except Exception as err:  # datasets wraps the parser's error, whose message says what and where
@@ -111,28 +115,47 @@ def load_split(
     return ds
 
 
-class PositionedLoader:
-    """A seeded DataLoader that counts the batches it yields across epochs.
+class PromptStream:
+    """The order a run draws its prompts in, the same in both scripts and on every worker.
 
-    The count is the data position a checkpoint stores: a resumed run rebuilds the loader
-    with the same seed and skips that many batches, so it sees the same prompts in the same
-    order as a run that was never stopped.
+    Row positions 0, 1, 2, ... run through the split epoch after epoch, each epoch in its own
+    order, drawn from ``(seed, epoch)`` (in file order when not shuffled). A batch of ``size``
+    prompts is ``size`` consecutive positions, so batch ``k`` is a function of ``(seed, k)``
+    alone: a resumed run or a restarted worker can build it without replaying the ones before.
     """
 
-    def __init__(self, ds, *, seed, batch_size_dl, shuffle, collate_fn):
-        generator = torch.Generator()
-        generator.manual_seed(seed)
-        self.loader = DataLoader(ds, batch_size=batch_size_dl, shuffle=shuffle, collate_fn=collate_fn,
-                                 generator=generator)
+    def __init__(self, num_rows: int, *, seed: int, shuffle: bool = True):
+        self.num_rows, self.seed, self.shuffle = num_rows, seed, shuffle
+        self._epoch, self._order = None, None
+
+    def row(self, position: int) -> int:
+        epoch, offset = divmod(position, self.num_rows)
+        if not self.shuffle:
+            return offset
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        return int(self._order[offset])
+
+    def batch(self, index: int, size: int) -> list[int]:
+        return [self.row(index * size + i) for i in range(size)]
+
+
+class StreamLoader:
+    """What a ``DataLoadingPrimer`` draws from: one-row batches of ``rows`` at consecutive stream
+    positions from ``position`` on, endlessly, each carrying its ``row_index`` (logged per step)."""
+
+    def __init__(self, rows, *, seed: int, shuffle: bool, collate_fn):
+        self.rows, self.collate_fn = rows, collate_fn
+        self.stream = PromptStream(len(rows), seed=seed, shuffle=shuffle)
         self.position = 0
 
     def __iter__(self):
-        for batch in self.loader:
+        while True:  # reads self.position each time: serve_from moves it between draws
+            row = self.stream.row(self.position)
             self.position += 1
+            batch = self.collate_fn([self.rows[row]])
+            batch.set("row_index", torch.tensor([row]))
             yield batch
-
-    def __len__(self):
-        return len(self.loader)
 
 
 def data_primer(env) -> DataLoadingPrimer:
@@ -141,18 +164,68 @@ def data_primer(env) -> DataLoadingPrimer:
     return next(t for t in transforms if isinstance(t, DataLoadingPrimer))
 
 
-def data_position(env) -> int:
-    return data_primer(env).dataloader.position
+def serve_from(env, collector, batch_index: int) -> None:
+    """Make the collector's next env batch stream batch ``batch_index``, and the ones after it follow.
 
-
-def skip_to_position(env, position: int) -> None:
-    """Advance a freshly built env's prompt stream to ``position`` batches drawn.
-
-    A new env has already drawn (and queued, ``repeats`` times) its first prompt while
-    building its specs; a checkpoint is taken with that queue empty (whole groups per
-    reset), so the queue is emptied before skipping.
+    An env batch is ``num_envs / repeats`` prompts. Whatever the env and collector drew before
+    (building them draws a batch: the primer's spec probe and the collector's first reset) is
+    dropped, not trained, so a run's first step trains the batch it was told to.
     """
     primer = data_primer(env)
     primer._queue.clear()
-    while primer.dataloader.position < position:
-        next(primer.endless_dataloader)
+    primer.dataloader.position = batch_index * (env.batch_size[0] // max(1, primer.repeats))
+    collector._shuttle = None  # the next collection resets the env, drawing from that position
+
+
+class PromptLedger:
+    """Which stream batches a run has consumed: the JSON state its checkpoints store.
+
+    Batches are handed out by index (``take``); a batch is consumed once the step that trained it,
+    or dropped it as too stale, completed (``consume``). The state is ``next_batch`` (every batch
+    below it was handed out) and ``pending`` (those among them not consumed: in flight, or lost with
+    a worker, or taken by a step that never completed), which are handed out again first.
+    """
+
+    def __init__(self, state: dict | None = None):
+        state = state or {"next_batch": 0, "pending": []}
+        self.next_batch = int(state["next_batch"])
+        self.queued = sorted(int(i) for i in state["pending"])  # served before next_batch
+        self.out: set[int] = set()
+
+    @classmethod
+    def from_checkpoint(cls, payload: dict | None) -> PromptLedger:
+        if payload is None:
+            return cls()
+        if "prompt_stream" not in payload:
+            raise ResumeError("resume: the checkpoint holds no prompt-stream state (written by an older version), so "
+                              "the prompts it trained are unknown; start without resume.")
+        return cls(payload["prompt_stream"])
+
+    def sequential_start(self) -> int:
+        """Where a run that draws batches strictly in order (the sync script) starts: the pending
+        batches must then be the last ones handed out, as the sync script leaves them."""
+        start = self.queued[0] if self.queued else self.next_batch
+        if self.queued != list(range(start, self.next_batch)):
+            raise ResumeError(f"resume: the checkpoint has prompt batches {self.queued} in flight out of order "
+                              "(written by grpo-async.py); the sync script draws batches in order, so resume it with "
+                              "grpo-async.py.")
+        return start
+
+    def take(self) -> int:
+        if self.queued:
+            index = self.queued.pop(0)
+        else:
+            index, self.next_batch = self.next_batch, self.next_batch + 1
+        self.out.add(index)
+        return index
+
+    def release(self, indices) -> None:
+        """Handed out but lost (a dead worker's): they are handed out again before any new batch."""
+        self.out.difference_update(indices)
+        self.queued = sorted({*self.queued, *indices})
+
+    def consume(self, indices) -> None:
+        self.out.difference_update(indices)
+
+    def state(self) -> dict:
+        return {"next_batch": self.next_batch, "pending": sorted({*self.queued, *self.out})}

@@ -11,12 +11,13 @@ import warnings
 
 from torchrl.collectors.llm import LLMCollector
 from torchrl.envs import StepCounter
-from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv
+from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv, IFEvalEnv
 from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 
-from grpo.data import PositionedLoader, load_split
+from grpo.data import StreamLoader, load_split
 from grpo.errors import DataError
 from grpo.ifeval import load_ifeval_rows, make_ifeval_env
+from grpo.models import wrapper_chat_template
 from grpo.rewards import GSM8KReward, parse_number, reference_answer
 
 
@@ -40,9 +41,8 @@ class GSM8KTaskEnv(DatasetChatEnv):
 
     @staticmethod
     def _dataloader_factory(dataset, name, split, seed, batch_size_dl, shuffle, collate_fn):
-        ds = load_gsm8k(dataset, split, hub_config=name)
-        ds = ds.add_column("row_index", list(range(len(ds))))  # logged per step: which prompts were trained on
-        return PositionedLoader(ds, seed=seed, batch_size_dl=batch_size_dl, shuffle=shuffle, collate_fn=collate_fn)
+        return StreamLoader(load_gsm8k(dataset, split, hub_config=name), seed=seed, shuffle=shuffle,
+                            collate_fn=collate_fn)
 
 
 def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
@@ -63,6 +63,39 @@ def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
         warnings.warn(f"{where}: {len(non_numeric)} row(s) have a final answer that is not a number (first: row "
                       f"{non_numeric[0]}); the GSM8K reward compares numbers, so those rows always score 0.")
     return ds
+
+
+def check_prompt_lengths(cfg, tokenizer) -> None:
+    """Every prompt a run will send must leave its reply room in ``inference_model.max_model_len``.
+
+    Engines meet a longer one only when it is drawn, mid-run, and then fail or stall (a 33k-token
+    question: no step within 300 s). Prompts are counted as the policy will see them: the task's
+    system prompt and the row's text through the chat template TorchRL's wrappers pick. Every test
+    row is counted, not only the ``eval.num_problems`` eval uses. Cost: one batched tokenizer call
+    per split, 1.5 to 2 s of one CPU core for GSM8K's 7.5k train rows (TorchRL's 94-token system
+    prompt is most of their tokens); the tokenizer spreads a batch over the cores it has.
+    """
+    env_class, texts = {"gsm8k": (GSM8KTaskEnv, lambda rows: rows["question"]),  # a column: no per-row decode
+                        "ifeval": (IFEvalEnv, lambda rows: [row["prompt"] for row in rows])}[cfg.env.task]
+    system = env_class.SYSTEM_PROMPT if cfg.env.system_prompt is None else cfg.env.system_prompt
+    template = wrapper_chat_template(tokenizer)
+    im = cfg.inference_model
+    for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
+                              (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        prompts = texts(TASK_ENVS[cfg.env.task].load_split(cfg.env.dataset, split))
+        counts = [len(ids) for ids in tokenizer.apply_chat_template(
+            [[{"role": "system", "content": system}, {"role": "user", "content": p}] for p in prompts],
+            chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False,
+            tokenizer_kwargs={"verbose": False})]  # verbose: no "longer than the model's maximum" log line
+        too_long = [i for i, count in enumerate(counts) if count + reply > im.max_model_len]
+        if too_long:
+            i = too_long[0]
+            more = f" ({len(too_long) - 1} more row(s) too)" if len(too_long) > 1 else ""
+            raise DataError(
+                f"env.dataset={cfg.env.dataset!r} split {split!r} row {i}: its prompt is {counts[i]} tokens (chat "
+                f"template and system prompt included), which with {key}={reply} exceeds "
+                f"inference_model.max_model_len={im.max_model_len}{more}; raise inference_model.max_model_len to at "
+                f"least {max(counts[j] for j in too_long) + reply}, or shorten or drop the row.")
 
 
 class IFEvalTask:

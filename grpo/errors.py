@@ -41,5 +41,6 @@ def clear_errors():
     try:
         yield
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        # one line even when the message quotes a library's multi-line error (transformers' OSError)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)
         sys.exit(2)

@@ -1,8 +1,10 @@
 """Asynchronous GRPO: Ray rollout workers generate while the trainer optimises.
 
-Workers keep generating with the latest weights they were sent; the trainer takes whole
-batches of groups from a bounded FIFO, drops any generated more than ``train.max_policy_lag``
-optimiser steps ago, and pushes weights every ``train.weight_update_frequency`` optimiser steps.
+The trainer assigns prompt batches to the workers, which generate them with the latest weights
+they were sent; it takes whole batches of groups in the order assigned, drops any generated more
+than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
+``train.weight_update_frequency`` optimiser steps. A worker that fails is restarted (at most
+``train.max_worker_restarts`` times) and its batches generated again.
 
     python grpo/grpo-async.py --config-name grpo_tiny     # CPU, local Ray
     python grpo/grpo-async.py ray.address=auto            # join a running cluster
@@ -20,6 +22,7 @@ import time  # noqa: E402
 
 import ray  # noqa: E402
 
+from grpo.data import PromptLedger  # noqa: E402
 from grpo.generation import inference_state_dict  # noqa: E402
 from grpo.ray_collectors import RolloutPool  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
@@ -28,11 +31,13 @@ from grpo.setup import hydra_main, ray_pythonpath  # noqa: E402
 
 def train(cfg) -> TrainingRun:
     run = TrainingRun(cfg, inference_engines=cfg.train.num_collectors, dedicated_inference=True)
+    ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, ignore_reinit_error=True)
     run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
-    pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids)
-    pool.push_weights(inference_state_dict(run.policy_model), version=run.policy_version)  # restored weights on resume
+    pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,
+                       inference_state_dict(run.policy_model), run.policy_version)  # restored weights on resume
+    run.checkpoint_extras = lambda: {"prompt_stream": ledger.state()}
     pushed_at = run.policy_version
     try:
         with run.guard():
@@ -41,6 +46,7 @@ def train(cfg) -> TrainingRun:
                 t0 = time.perf_counter()
                 rollouts = pool.next_rollouts(run.policy_version)  # whole groups, at most max_policy_lag steps stale
                 metrics = run.train_on(rollouts)    # dense batch, reference and KL, advantages, clipped loss, optimiser
+                pool.commit()                       # its prompt batches now count as trained
                 if run.policy_version - pushed_at >= cfg.train.weight_update_frequency:
                     metrics["weight_sync_s"] = pool.push_weights(inference_state_dict(run.policy_model),
                                                                  version=run.policy_version)

@@ -15,7 +15,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import time  # noqa: E402
 
-from grpo.data import data_position, skip_to_position  # noqa: E402
+from grpo.data import PromptLedger, serve_from  # noqa: E402
 from grpo.envs import make_collector, make_env  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
 from grpo.setup import hydra_main  # noqa: E402
@@ -25,31 +25,26 @@ def train(cfg) -> TrainingRun:
     run = TrainingRun(cfg, inference_engines=1, dedicated_inference=False)  # checks, devices, models, GRPO step, logger
     env = make_env(cfg, run.tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
     collector = make_collector(env, run.inference.policy, cfg.train.dialog_turns_per_batch)
-    resume_prompt_stream(run.resume_payload, env, collector)
-    run.checkpoint_extras = lambda: {"data_position": data_position(env), "collector_shuttle": collector._shuttle}
+    ledger = PromptLedger.from_checkpoint(run.resume_payload)  # the prompt batches trained before a resume
+    serve_from(env, collector, ledger.sequential_start())  # the collector then draws batch after batch
+    run.checkpoint_extras = lambda: {"prompt_stream": ledger.state()}
+    batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
     with run.guard():
         run.evaluate_if_due(force=True)
         batches = iter(collector)
         for step in run.steps():
             t0 = time.perf_counter()
+            taken = [ledger.take() for _ in range(batches_per_step)]  # the batches the collector draws next
             rollouts = next(batches).reshape(-1)    # G replies for each prompt, with sampler log-probs
             t_gen = time.perf_counter() - t0
             metrics = run.train_on(rollouts)        # dense batch, reference and KL, advantages, clipped loss, optimiser
+            ledger.consume(taken)
             metrics["weight_sync_s"] = run.inference.push_weights(run.policy_model, run.policy_version)
             run.log_step(step, metrics | {"generation_s": t_gen}, t0)
             run.evaluate_if_due()
             run.checkpoint_if_due()
     collector.shutdown()
     return run
-
-
-def resume_prompt_stream(payload: dict | None, env, collector) -> None:
-    """Continue the prompt stream where the checkpoint left it. LLMCollector resets the env right after
-    each step, so the next prompts are already drawn (its ``_shuttle``); a resumed run starts from
-    those, then from the same place in the data."""
-    if payload is not None:
-        collector._shuttle = payload["collector_shuttle"]
-        skip_to_position(env, payload["data_position"])
 
 
 if __name__ == "__main__":

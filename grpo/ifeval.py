@@ -40,7 +40,7 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 from torchrl.envs.llm import IFEvalEnv
 
-from grpo.data import PositionedLoader, load_split
+from grpo.data import StreamLoader, load_split
 from grpo.errors import ConfigError, DataError
 from grpo.ifeval_checks import ROW_FIELDS, check_instruction, normalize_kwargs, validate_rows
 from grpo.rewards import is_well_formatted
@@ -374,8 +374,7 @@ def _validated_env_class(system_prompt: str | None = None):
         def _dataloader_factory(dataset, name, split, seed, batch_size_dl, shuffle, collate_fn):
             if seed is None:
                 seed = int(torch.empty((), dtype=torch.int64).random_().item())
-            return PositionedLoader(dataset, seed=seed, batch_size_dl=batch_size_dl, shuffle=shuffle,
-                                    collate_fn=collate_ifeval_rows)
+            return StreamLoader(dataset, seed=seed, shuffle=shuffle, collate_fn=collate_ifeval_rows)
 
     return ValidatedIFEvalEnv
 

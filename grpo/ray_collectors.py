@@ -1,33 +1,44 @@
-"""Async GRPO's rollout workers: Ray actors that keep generating while the trainer optimises.
+"""Async GRPO's rollout workers: Ray actors that generate the prompt batches the trainer assigns.
 
-Each worker wraps TorchRL's ``LLMCollector`` over its own copy of the policy and puts whole
-batches (``env.num_envs`` replies = complete GRPO groups), stamped with the weights version
-that generated them, into a bounded FIFO (``train.buffer_size`` batches). A full FIFO makes
-workers wait (back-pressure). TorchRL's ``RayReplayBuffer`` samples without tracking the
-order or age of items, so staleness could not be bounded; a FIFO of stamped batches lets the
-trainer drop those older than ``train.max_policy_lag`` optimiser steps.
+The trainer owns the prompt stream (a ``grpo.data.PromptLedger``) and hands each worker batch
+indices; a worker builds batch ``k`` of the stream by index, generates ``env.num_envs`` replies
+(complete GRPO groups) with the latest weights it was sent, and returns them stamped with that
+weights version. At most ``train.buffer_size`` batches are assigned beyond one per worker, so
+workers never run further ahead than that (back-pressure). The trainer takes each worker's batches
+in the order it assigned them and drops any generated more than ``train.max_policy_lag`` optimiser
+steps ago. TorchRL's ``RayReplayBuffer`` samples without tracking the order or age of items, so
+staleness could not be bounded with it, nor could a worker's lost batches be told apart.
+
+A worker that dies (killed, out of memory) or raises is replaced by a new one holding the current
+weights, and the batches it held are assigned again before any new one, up to
+``train.max_worker_restarts`` times per run.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections import Counter
 
 import ray
 import torch
 from omegaconf import OmegaConf
-from ray.util.queue import Empty, Queue
-
 from tensordict import lazy_stack
 
+from grpo.data import PromptLedger, serve_from
+from grpo.errors import UserError
 from grpo.generation import weights_checksum
 from grpo.models import torch_dtype
 from grpo.setup import ray_pythonpath
 
+GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s")
 
-@ray.remote(max_concurrency=2)  # one thread generates, the other receives weights and stop requests
+
+@ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
 class RolloutWorker:
-    def __init__(self, cfg_dict: dict, worker_id: int, device: str, stop_ids: list[int]):
+    def __init__(self, cfg_dict: dict, worker_id: int, device: str, stop_ids: list[int], weights: dict, version: int,
+                 checksum: float):
         from tensordict import set_list_to_stack
 
         from grpo.envs import make_collector, make_env
@@ -38,157 +49,199 @@ class RolloutWorker:
         set_list_to_stack(True).set()
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
-        self.worker_id = worker_id
         torch_device = torch.device(device)
         configure_attention_kernels(cfg)
         tokenizer = load_tokenizer(cfg.model.name)
         model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.inference_model.dtype, torch_device),
                                device=torch_device).eval().requires_grad_(False)
         self.inference = make_inference(cfg, model, tokenizer, device=torch_device, stop_ids=stop_ids)
-        env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
-        self.collector = make_collector(env, self.inference.policy, cfg.env.num_envs)
+        self.env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
+                            num_envs=cfg.env.num_envs)
+        self.collector = make_collector(self.env, self.inference.policy, cfg.env.num_envs)
+        self.batches = iter(self.collector)
         self._lock = threading.Lock()
-        self._pending = None
-        self._stop = False
-        self.stats = {"batches": 0, "replies": 0, "tokens": 0, "put_wait_s": 0.0,
-                      "weight_apply_s": 0.0, "version": 0, "pushes_verified": 0, "pushes_mismatched": 0}
+        self._pending = (weights, version, checksum)  # the trainer's weights when this worker was started
+        self._idle_since = time.perf_counter()
 
     def set_weights(self, weights: dict, version: int, checksum: float) -> None:
         with self._lock:
             self._pending = (weights, version, checksum)
 
-    def stop(self) -> None:
-        self._stop = True
+    @ray.method(concurrency_group="generate")
+    def generate(self, batch_index: int):
+        """Replies to stream batch ``batch_index``, the weights version that wrote them, and this call's stats."""
+        stats = dict.fromkeys(GENERATION_STATS, 0.0) | {"pushes_verified": 0, "pushes_mismatched": 0}
+        stats["idle_s"] = time.perf_counter() - self._idle_since
+        self._apply_pending_weights(stats)
+        serve_from(self.env, self.collector, batch_index)
+        batch = next(self.batches).reshape(-1)
+        stats["replies"] = batch.numel()
+        stats["tokens"] = sum(s["tokens", "response"].shape[-1] for s in batch.unbind(0))
+        self._idle_since = time.perf_counter()
+        return batch, self.inference.version, stats
 
-    def get_stats(self) -> dict:
-        return dict(self.stats)
-
-    def run(self, queue: Queue) -> int:
-        batches = iter(self.collector)
-        while not self._stop:
-            self._apply_pending_weights()
-            batch = next(batches).reshape(-1)
-            tokens = sum(s["tokens", "response"].shape[-1] for s in batch.unbind(0))
-            version = self.inference.version
-            t1 = time.perf_counter()
-            while not self._stop:
-                try:
-                    queue.put((batch, version), timeout=1.0)
-                    break
-                except Exception:  # ray's queue raises Full on timeout; retry so stop() is honoured
-                    continue
-            self.stats["put_wait_s"] += time.perf_counter() - t1
-            self.stats["batches"] += 1
-            self.stats["replies"] += batch.numel()
-            self.stats["tokens"] += tokens
-        return self.stats["batches"]
-
-    def _apply_pending_weights(self) -> None:
+    def _apply_pending_weights(self, stats: dict) -> None:
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
             weights, version, checksum = pending
-            self.stats["weight_apply_s"] += self.inference.push_weights(weights, version=version)
-            self.stats["version"] = version
+            stats["weight_apply_s"] = self.inference.push_weights(weights, version=version)
             # proof, not assumption: the generating model now holds exactly the pushed weights
             applied = weights_checksum(self.inference.model.state_dict())
-            self.stats["pushes_verified" if applied == checksum else "pushes_mismatched"] += 1
+            stats["pushes_verified" if applied == checksum else "pushes_mismatched"] += 1
 
 
-class CollectorError(RuntimeError):
-    """A rollout worker died or raised; the message carries its error (not a UserError: its traceback
-    is the worker's, which the user needs)."""
+class RolloutWorkersLost(UserError):
+    """Rollout workers kept failing until ``train.max_worker_restarts`` restarts were used up. The run's
+    guard then writes its emergency checkpoint: the step in progress took batches but trained none."""
+
+
+def failure_reason(err: ray.exceptions.RayError) -> str:
+    """One line: the exception a worker raised, or how it died."""
+    if isinstance(err, ray.exceptions.RayTaskError):
+        return f"{type(err.cause).__name__}: {err.cause}".strip().splitlines()[0]
+    return str(err).strip().splitlines()[0]
 
 
 class RolloutPool:
-    """Starts the workers, hands the trainer fresh batches, pushes weights, and watches worker health."""
+    """Starts the workers, assigns them prompt batches, hands the trainer their replies, pushes
+    weights, and replaces workers that fail."""
 
-    def __init__(self, cfg, devices: list[torch.device], stop_ids: list[int]):
-        self.cfg = cfg
+    def __init__(self, cfg, devices: list[torch.device], stop_ids: list[int], ledger: PromptLedger, weights: dict,
+                 version: int):
+        self.cfg, self.ledger = cfg, ledger
         self.batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
+        self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
-        self.queue = Queue(maxsize=cfg.train.buffer_size)
-        cfg_dict = OmegaConf.to_container(cfg, resolve=True)
+        self._worker_args = (OmegaConf.to_container(cfg, resolve=True), [str(d) for d in devices], stop_ids)
+        self._weights = self._publish(self._snapshot(weights), version)  # what a (re)started worker begins with
+        self.workers = [self._start_worker(i) for i in range(cfg.train.num_collectors)]
+        self.assigned: list[tuple[ray.ObjectRef, int, int]] = []  # (replies, worker, batch index), in assignment order
+        self.taken: list[int] = []  # batch indices the step in progress took (trained or dropped)
+        self.restarts = 0
+        self.dropped_batches = 0
+        self.dropped_replies = 0
+        self.pushes = Counter()
+        self.versions: dict[int, int] = {}  # each worker's weights version, as of its last batch taken
+        self._since_metrics = dict.fromkeys(GENERATION_STATS, 0.0) | {"trainer_wait_s": 0.0}
+        self.lags: list[int] = []  # of the batches handed out since the last step_metrics()
+        self._last_metrics_time = time.perf_counter()
+        self._push_thread: threading.Thread | None = None
+        self._push_error: Exception | None = None
+        self._assign()
+
+    def _start_worker(self, worker_id: int):
+        cfg_dict, devices, stop_ids = self._worker_args
         runtime_env = {"env_vars": {"PYTHONPATH": ray_pythonpath(),
                                     # workers address GPUs by the allocation's logical ids
                                     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
-        self.workers = [
-            RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(cfg_dict, i, str(devices[i % len(devices)]), stop_ids)
-            for i in range(cfg.train.num_collectors)
-        ]
-        self.runs = {w.run.remote(self.queue): i for i, w in enumerate(self.workers)}
-        self.dropped_batches = 0
-        self.dropped_replies = 0
-        self.trainer_wait_s = 0.0
-        self.lags: list[int] = []  # of the batches handed out since the last step_metrics()
-        self._last_stats, self._last_stats_time = {}, time.perf_counter()
-        self._push_thread: threading.Thread | None = None
-        self._push_error: Exception | None = None
+        return RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(
+            cfg_dict, worker_id, devices[worker_id % len(devices)], stop_ids, *self._weights)
 
-    def check_workers(self) -> None:
-        """Raise at once if a worker's run loop ended with an error (crash, OOM, killed actor)."""
-        done, _ = ray.wait(list(self.runs), timeout=0, num_returns=len(self.runs))
-        for ref in done:
-            try:
-                ray.get(ref)
-                raise CollectorError(f"rollout worker {self.runs[ref]} stopped unexpectedly")
-            except ray.exceptions.RayError as err:
-                raise CollectorError(f"rollout worker {self.runs[ref]} failed: {err}") from err
-
-    def _get_all(self, method: str, *args) -> list:
-        """Call ``method`` on every worker; a dead worker becomes a CollectorError naming it."""
-        refs = [getattr(w, method).remote(*args) for w in self.workers]
-        results = []
-        for i, ref in enumerate(refs):
-            try:
-                results.append(ray.get(ref, timeout=120))
-            except ray.exceptions.RayError as err:
-                raise CollectorError(f"rollout worker {i} failed: {err}") from err
-        return results
+    def _assign(self) -> None:
+        """Fill the pipeline: each new batch index goes to the worker holding the fewest."""
+        while len(self.assigned) < self.capacity:
+            load = Counter(worker for _, worker, _ in self.assigned)
+            worker = min(range(len(self.workers)), key=lambda w: load[w])
+            index = self.ledger.take()
+            self.assigned.append((self.workers[worker].generate.remote(index), worker, index))
 
     def next_rollouts(self, trainer_version: int):
         """One step's rollouts: ``train.dialog_turns_per_batch`` replies in whole worker batches."""
         batches = [self._next_batch(trainer_version) for _ in range(self.batches_per_step)]
         return batches[0] if len(batches) == 1 else lazy_stack([s for b in batches for s in b.unbind(0)])
 
+    def commit(self) -> None:
+        """The step that took the last batches completed: from now on they count as consumed."""
+        self.ledger.consume(self.taken)
+        self.taken = []
+
     def _next_batch(self, trainer_version: int):
         """The next batch generated at most ``train.max_policy_lag`` optimiser steps ago."""
         t0 = time.perf_counter()
         while True:
-            self.check_workers()
-            try:
-                batch, version = self.queue.get(timeout=1.0)
-            except Empty:
+            oldest = {}  # each worker's first assigned batch: a worker's batches are taken in the order assigned
+            for entry in self.assigned:
+                oldest.setdefault(entry[1], entry)
+            by_ref = {entry[0]: entry for entry in oldest.values()}
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=1.0)  # returns now and then: Ctrl-C stays live
+            if not ready:
                 continue
+            entry = by_ref[ready[0]]
+            self.assigned.remove(entry)
+            _, worker, index = entry
+            try:
+                batch, version, stats = ray.get(ready[0])
+            except ray.exceptions.RayError as err:  # the worker died (RayActorError) or raised (RayTaskError)
+                self._replace(worker, index, err)
+                continue
+            self._assign()
+            self.taken.append(index)
+            self.versions[worker] = version
+            self.pushes.update(verified=stats["pushes_verified"], mismatched=stats["pushes_mismatched"])
+            for key in GENERATION_STATS:
+                self._since_metrics[key] += stats[key]
             lag = trainer_version - version
             if lag > self.cfg.train.max_policy_lag:
                 self.dropped_batches += 1
-                self.dropped_replies += batch.numel()
+                self.dropped_replies += stats["replies"]
                 continue
-            self.trainer_wait_s += time.perf_counter() - t0
+            self._since_metrics["trainer_wait_s"] += time.perf_counter() - t0
             self.lags.append(lag)
             return batch
+
+    def _replace(self, worker: int, index: int, err: ray.exceptions.RayError) -> None:
+        """Start a new worker in place of a failed one; the batches it held are assigned again first."""
+        lost = [index] + [i for _, w, i in self.assigned if w == worker]
+        self.assigned = [entry for entry in self.assigned if entry[1] != worker]
+        self.ledger.release(lost)
+        ray.kill(self.workers[worker], no_restart=True)
+        if isinstance(err, ray.exceptions.RayTaskError):
+            print(err, file=sys.stderr, flush=True)  # the worker's traceback: what the user needs to fix a raise
+        limit = self.cfg.train.max_worker_restarts
+        if self.restarts >= limit:
+            raise RolloutWorkersLost(f"rollout worker {worker} failed ({failure_reason(err)}) with the run's "
+                                     f"train.max_worker_restarts={limit} restart(s) used up; see why above (out of "
+                                     "memory? killed?), then resume the run")
+        self.restarts += 1
+        self.wait_for_push()  # a push in flight may be replacing the weights the new worker starts from
+        print(f"rollout worker {worker} failed ({failure_reason(err)}); restart {self.restarts} of {limit}, with "
+              f"weights version {self._weights[1]}; its prompt batches {sorted(lost)} are generated again",
+              file=sys.stderr, flush=True)
+        self.workers[worker] = self._start_worker(worker)
+        self._assign()
+
+    def _snapshot(self, weights: dict) -> dict:
+        """A device-side copy in the workers' dtype, which training may then change."""
+        return {k: v.detach().to(self.weights_dtype, copy=True) for k, v in weights.items()}
+
+    @staticmethod
+    def _publish(snapshot: dict, version: int) -> tuple:
+        checksum = weights_checksum(snapshot)  # where the weights are: on a GPU it takes milliseconds
+        return ray.put({k: v.cpu() for k, v in snapshot.items()}), version, checksum
 
     def push_weights(self, weights: dict, version: int) -> float:
         """Hand new weights to every worker; returns the seconds the trainer was held up.
 
-        The trainer only takes a snapshot (a device-side copy in the workers' dtype); a thread
-        checksums it, moves it to the host and sends it, while training goes on. Sending 1 GB
-        through Ray's object store took 3.3 s on a 0.5B model, all of it blocking the trainer.
-        At most one push is in flight: the next one waits for it and re-raises its error.
+        The trainer only takes a snapshot; a thread checksums it, moves it to the host and sends it,
+        while training goes on. Sending 1 GB through Ray's object store took 3.3 s on a 0.5B model,
+        all of it blocking the trainer. At most one push is in flight: the next one waits for it and
+        re-raises its error.
         """
         t0 = time.perf_counter()
         self.wait_for_push()
-        snapshot = {k: v.detach().to(self.weights_dtype, copy=True) for k, v in weights.items()}
-        self._push_thread = threading.Thread(target=self._send, args=(snapshot, version), daemon=True)
+        self._push_thread = threading.Thread(target=self._send, args=(self._snapshot(weights), version), daemon=True)
         self._push_thread.start()
         return time.perf_counter() - t0
 
     def _send(self, snapshot: dict, version: int) -> None:
         try:
-            checksum = weights_checksum(snapshot)  # where the weights are: on a GPU it takes milliseconds
-            host = {k: v.cpu() for k, v in snapshot.items()}
-            self._get_all("set_weights", ray.put(host), version, checksum)
+            self._weights = self._publish(snapshot, version)
+            for ref in [w.set_weights.remote(*self._weights) for w in self.workers]:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    pass  # a dead worker: its batches fail too, and its replacement starts from self._weights
         except Exception as err:  # noqa: BLE001 - handed to the trainer thread by wait_for_push
             self._push_error = err
 
@@ -202,37 +255,27 @@ class RolloutPool:
             raise err
 
     def step_metrics(self) -> dict:
-        """Since the last call: the handed-out batches' policy lag, generation rates, waits and drops."""
-        per_worker = self._get_all("get_stats")
-        now = {key: sum(w[key] for w in per_worker) for key in ("replies", "tokens", "put_wait_s", "weight_apply_s")}
-        now["trainer_wait_s"] = self.trainer_wait_s
-        delta = {key: value - self._last_stats.get(key, 0) for key, value in now.items()}
-        elapsed = time.perf_counter() - self._last_stats_time
+        """Since the last call: the handed-out batches' policy lag, generation rates, waits, drops, restarts."""
+        since, self._since_metrics = self._since_metrics, dict.fromkeys(self._since_metrics, 0.0)
+        elapsed = time.perf_counter() - self._last_metrics_time
+        self._last_metrics_time = time.perf_counter()
         lags, self.lags = self.lags, []
-        self._last_stats, self._last_stats_time = now, time.perf_counter()
+        finished, _ = ray.wait([entry[0] for entry in self.assigned], num_returns=len(self.assigned), timeout=0)
         return {
             "policy_lag_mean": sum(lags) / len(lags), "policy_lag_max": max(lags),
-            "gen_samples_per_s": delta["replies"] / elapsed, "gen_tokens_per_s": delta["tokens"] / elapsed,
-            "buffer_fill": self.queue.qsize(),
+            "gen_samples_per_s": since["replies"] / elapsed, "gen_tokens_per_s": since["tokens"] / elapsed,
+            "buffer_fill": len(finished),
             "dropped_stale_batches": self.dropped_batches, "dropped_stale_replies": self.dropped_replies,
-            "trainer_wait_s": delta["trainer_wait_s"],
-            "collector_wait_s": delta["put_wait_s"] + delta["weight_apply_s"],
-            "collector_weight_apply_s": delta["weight_apply_s"],
-            "collector_version_min": min(w["version"] for w in per_worker),
-            "weight_pushes_verified": sum(w["pushes_verified"] for w in per_worker),
-            "weight_pushes_mismatched": sum(w["pushes_mismatched"] for w in per_worker),
+            "trainer_wait_s": since["trainer_wait_s"],
+            "collector_wait_s": since["idle_s"] + since["weight_apply_s"],
+            "collector_weight_apply_s": since["weight_apply_s"],
+            "collector_version_min": min(self.versions.values()),
+            "weight_pushes_verified": self.pushes["verified"], "weight_pushes_mismatched": self.pushes["mismatched"],
+            "worker_restarts": self.restarts,
         }
 
     def shutdown(self) -> None:
         if self._push_thread is not None:
             self._push_thread.join(timeout=60)
         for w in self.workers:
-            try:
-                w.stop.remote()
-            except Exception:
-                pass
-        try:
-            ray.wait(list(self.runs), timeout=10, num_returns=len(self.runs))
-        finally:
-            for w in self.workers:
-                ray.kill(w)
+            ray.kill(w)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tqdm import tqdm
 from grpo import checkpoint as ckpt
 from grpo.config import validate_config, warn_if_too_few_rows
 from grpo.devices import allocate_devices
-from grpo.envs import EVAL_FIELDS, TASK_ENVS, make_env
+from grpo.envs import EVAL_FIELDS, TASK_ENVS, check_prompt_lengths, make_env
 from grpo.errors import ConfigError
 from grpo.evaluation import evaluate
 from grpo.inference import make_inference
@@ -60,6 +61,7 @@ class TrainingRun:
 
         configure_attention_kernels(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name)
+        check_prompt_lengths(cfg, self.tokenizer)  # before any model loads: a too-long prompt hangs mid-run
         self.policy_model = load_policy_model(cfg, self.tokenizer, self.devices.torch_device("train"),
                                               shard_over=self.devices.train)
         ref_model = load_reference_model(cfg, self.tokenizer, self.devices.torch_device("ref"),
@@ -93,6 +95,11 @@ class TrainingRun:
             self.step, self.policy_version = counters["step"], counters["policy_version"]
             self.last_eval_step = counters["last_eval_step"]
             self.inference.push_weights(self.policy_model, self.policy_version)
+        # What a crash may keep: the last step whose update finished, its RNG states, never half-updated weights
+        self.completed_step, self.completed_rng = self.step, None
+        self.half_updated = False  # an optimiser step ran in a GRPO step whose update has not finished
+        self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
+        self.last_checkpoint = (self.step, ckpt_path) if payload else None
 
     def steps(self):
         bar = tqdm(range(self.step + 1, self.cfg.train.total_steps + 1), desc="GRPO", unit="step",
@@ -108,6 +115,7 @@ class TrainingRun:
         """One GRPO step (grpo.step) on a batch of whole groups; returns its metrics."""
         metrics = self.grpo_step(rollouts)
         self.policy_version += metrics["optim_steps"]
+        self.completed_step, self.completed_rng, self.half_updated = self.step, ckpt.rng_state(), False
         return metrics | {"policy_version": self.policy_version}
 
     def log_step(self, step: int, metrics: dict, t0: float) -> None:
@@ -136,7 +144,8 @@ class TrainingRun:
                    f"({result['eval/num_problems']} problems)")
         self.last_eval_step = self.step
 
-    def checkpoint_if_due(self, force: bool = False) -> None:
+    def checkpoint_if_due(self, force: bool = False, rng: dict | None = None) -> None:
+        """``rng``: RNG states to store instead of the current ones."""
         freq = self.cfg.train.checkpoint_frequency
         if force or (freq and self.step % freq == 0):
             path = ckpt.save_checkpoint(
@@ -145,12 +154,15 @@ class TrainingRun:
                 counters={"step": self.step, "policy_version": self.policy_version, "last_eval_step": self.last_eval_step},
                 resolved_config=self.resolved_config,
                 extra={"wandb_run_id": self.logger.wandb_run_id, **self.checkpoint_extras()},
-                keep_last=self.cfg.logging.keep_last)
+                keep_last=self.cfg.logging.keep_last, rng=rng)
+            self.last_checkpoint = (self.step, path)
             tqdm.write(f"step {self.step}: checkpoint {path}")
 
     @contextlib.contextmanager
     def guard(self):
-        """On success: final eval and checkpoint. On SIGTERM/Ctrl-C: checkpoint, then exit non-zero."""
+        """On success: final eval and checkpoint. On SIGTERM/Ctrl-C: checkpoint, then exit non-zero. On any
+        other exception: an emergency checkpoint of the last finished step if the weights are whole, then
+        the exception goes on."""
         exit_code = 1
         try:
             yield
@@ -161,6 +173,26 @@ class TrainingRun:
             tqdm.write(f"stopping after step {self.step}: {stop}; writing a checkpoint")
             self.checkpoint_if_due(force=True)
             raise SystemExit(stop.exit_code)
+        except Exception as err:
+            failed = f"step {self.step} failed ({type(err).__name__})"
+            saved, path = self.last_checkpoint or (None, None)
+            last = f"the last checkpoint is {path} (resume={self.run_dir})" if path else "this run has no checkpoint"
+            if self.half_updated:
+                note = f"{failed} inside the optimiser update: no emergency checkpoint of half-updated weights; {last}"
+            elif not all(p.isfinite().all() for group in self.optimizer.param_groups for p in group["params"]):
+                note = f"{failed} with non-finite weights: no emergency checkpoint; {last}"
+            elif self.completed_rng is None or saved == self.completed_step:
+                note = f"{failed}; no step finished since the start or the last checkpoint; {last}"
+            else:
+                self.step = self.completed_step  # what the checkpoint describes: counters, RNG and extras of that step
+                try:
+                    self.checkpoint_if_due(force=True, rng=self.completed_rng)
+                    note = (f"{failed}; emergency checkpoint of step {self.step}: {self.last_checkpoint[1]} "
+                            f"(resume={self.run_dir} continues from it)")
+                except Exception as save_err:  # the original error matters more: report this one, raise that one
+                    note = f"{failed}; so did its emergency checkpoint ({type(save_err).__name__}: {save_err}); {last}"
+            tqdm.write(note, file=sys.stderr)
+            raise
         finally:
             self.inference.shutdown()
             self.logger.close(exit_code)

@@ -7,6 +7,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pytest
 import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
 from tensordict import set_list_to_stack
 
 from grpo.step import token_log_probs
@@ -51,6 +53,17 @@ def real_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def real_gsm8k_dir() -> Path:
     return _fetched(REAL_DATA, "train.jsonl", "test.jsonl")
+
+
+def compose_in_run_dir(run_dir, overrides, config_name: str = "grpo_tiny"):
+    """The config as Hydra hands it to a script whose hydra.run.dir is ``run_dir``."""
+    cfg = compose(config_name, list(overrides), return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(run_dir)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg
 
 
 def reply_log_probs(model, batch) -> torch.Tensor:

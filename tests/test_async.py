@@ -1,26 +1,41 @@
-"""Async GRPO: bounded staleness, weights reaching the workers, and a crashed worker ending the run."""
+"""Async GRPO: bounded staleness, weights reaching the workers, and a prompt stream that survives
+kills, SIGTERM and dead workers: each prompt batch trained as often as in an uninterrupted run."""
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+import ray
+import torch
 
-from conftest import REPO, TINY_DATA, TINY_MODEL
+from conftest import REPO, TINY_DATA, TINY_MODEL, compose
+from grpo.checkpoint import list_checkpoints
+from grpo.config import validate_config
+from grpo.data import PromptLedger, PromptStream
+from grpo.envs import load_gsm8k
+from grpo.errors import ConfigError
 
-SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=16", "eval.batch_size=16", "eval.frequency=0", "env.num_envs=16", "env.repeats=4",
-         "train.dialog_turns_per_batch=16", "train.optim_batch_size=16", "train.epochs=1",
-         "inference_model.max_new_tokens=16", "ray.num_cpus=2"]
+SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",
+         "eval.frequency=0", "env.num_envs=16", "env.repeats=4", "train.dialog_turns_per_batch=16",
+         "train.optim_batch_size=16", "train.epochs=1", "inference_model.max_new_tokens=16", "ray.num_cpus=2",
+         "logging.progress_bar=false"]
+# One worker that never falls behind far enough to be dropped: every batch is trained, in stream order.
+EXACT = ["train.max_policy_lag=100"]
+STEPS = 6
 
 
-def run_async(tmp_path, overrides, timeout=400):
-    return subprocess.run(
-        [sys.executable, str(REPO / "grpo" / "grpo-async.py"), "--config-name", "grpo_tiny",
-         f"hydra.run.dir={tmp_path}", *SMALL, *overrides],
-        capture_output=True, text=True, timeout=timeout,
-    )
+def command(run_dir, *overrides):
+    return [sys.executable, str(REPO / "grpo" / "grpo-async.py"), "--config-name", "grpo_tiny",
+            f"hydra.run.dir={run_dir}", *SMALL, *overrides]
+
+
+def run_async(run_dir, *overrides, timeout=400):
+    return subprocess.run(command(run_dir, *overrides), capture_output=True, text=True, timeout=timeout)
 
 
 def step_rows(run_dir):
@@ -28,11 +43,36 @@ def step_rows(run_dir):
     return [r for r in rows if "reward" in r]
 
 
+def prompt_sequence(run_dir):
+    rows = step_rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    return [r["prompt_indices"] for r in rows]
+
+
+def last_checkpoint(run_dir) -> dict:
+    return json.loads(list_checkpoints(run_dir / "checkpoints")[-1].read_text())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted run: the prompt sequence every interrupted one must reproduce."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    proc = run_async(run_dir, *EXACT, f"train.total_steps={STEPS}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return prompt_sequence(run_dir)
+
+
+def test_uninterrupted_run_trains_the_stream_from_its_first_batch(straight):
+    """Sync and async share one stream: step k trains batch k-1 (4 prompts a batch here)."""
+    stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
+    assert straight == [sorted(set(stream.batch(k, 4))) for k in range(STEPS)]
+
+
 def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_path):
     # Weights move every optimiser step and no lag is allowed: batches queued before a push
     # must be dropped, and the workers must see every new version to produce usable data.
-    proc = run_async(tmp_path, ["train.total_steps=6", "train.weight_update_frequency=1", "train.max_policy_lag=0",
-                                "train.buffer_size=3", "train.inference_is_cap=2.0"])
+    proc = run_async(tmp_path, "train.total_steps=6", "train.weight_update_frequency=1", "train.max_policy_lag=0",
+                     "train.buffer_size=3", "train.inference_is_cap=2.0")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -45,67 +85,154 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
     assert rows[-1]["weight_pushes_verified"] >= 4 and rows[-1]["weight_pushes_mismatched"] == 0
     # truncated IS ran: token weights are logged and none exceeds the cap
     assert all(0 < r["is_weight_mean"] <= 2.0 for r in rows)
+    # dropped batches count as consumed, like trained ones; pending: the 3 + 1 assigned ahead (buffer + worker)
+    consumed = 6 + rows[-1]["dropped_stale_batches"]
+    assert last_checkpoint(tmp_path)["prompt_stream"] == {"next_batch": consumed + 4,
+                                                          "pending": list(range(consumed, consumed + 4))}
 
 
-def descends_from(pid: int, ancestor: int) -> bool:
-    """Whether ``pid`` is in ``ancestor``'s process tree (only this run's workers get killed)."""
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            return False
-    return False
+@pytest.mark.parametrize("value", ["-1", "1.5", "true"])
+def test_max_worker_restarts_is_a_count(value):
+    with pytest.raises(ConfigError, match=rf"train.max_worker_restarts={value.title() if value == 'true' else value} "
+                                          r"must be a whole number >= 0"):
+        validate_config(compose("grpo_tiny", [f"train.max_worker_restarts={value}"]))
 
 
-def start_long_run(tmp_path) -> tuple[subprocess.Popen, list[str]]:
-    """A long async run, once it has logged a training step, and its rollout workers' pids."""
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "grpo" / "grpo-async.py"), "--config-name", "grpo_tiny",
-         f"hydra.run.dir={tmp_path}", *SMALL, "train.total_steps=1000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
+def descendants(pid: int) -> list[int]:
+    """``pid``'s process tree below it: the Ray processes ``ray.init`` started, and their workers."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def worker_pids(proc) -> list[int]:
+    """This run's rollout worker processes (only they get killed, never another run's)."""
+    pids = [int(p) for p in subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True,
+                                           text=True).stdout.split()]
+    return [p for p in pids if p in descendants(proc.pid)]
+
+
+def start(run_dir, *overrides, after_steps=1) -> subprocess.Popen:
+    """An async run, once it has logged ``after_steps`` training steps."""
+    proc = subprocess.Popen(command(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and step_rows(tmp_path)):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(1)
-        assert step_rows(tmp_path), "the run never logged a training step"
-        workers = [pid for pid in subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True,
-                                                 text=True).stdout.split() if descends_from(int(pid), proc.pid)]
-        assert workers, "no rollout worker process of this run found"
+        wait_for_steps(proc, run_dir, after_steps)
     except BaseException:
         proc.kill()
         raise
-    return proc, workers
+    return proc
 
 
-def test_killed_worker_stops_the_run_with_its_error(tmp_path):
-    proc, pids = start_long_run(tmp_path)
+def wait_for_steps(proc, run_dir, n: int) -> None:
+    deadline = time.time() + 300
+    while not ((run_dir / "metrics.jsonl").exists() and len(step_rows(run_dir)) >= n):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline, f"the run never logged {n} training steps"
+        time.sleep(0.2)
+
+
+def finish(proc, timeout=240) -> str:
     try:
-        killed_at = time.time()
-        for pid in pids:
-            os.kill(int(pid), signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=120)
-        assert time.time() - killed_at < 120
+        return proc.communicate(timeout=timeout)[1]
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode != 0
-    assert "rollout worker 0 failed" in stderr, stderr[-3000:]
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_stops_the_workers(tmp_path):
+def test_sigkill_then_resume_trains_the_same_prompt_stream(straight, tmp_path):
+    """It used to restart the stream: 16 of 64 prompt slots trained twice, 16 prompts never."""
+    proc = start(tmp_path, *EXACT, f"train.total_steps={STEPS}", "train.checkpoint_frequency=1", after_steps=2)
+    time.sleep(random.Random(os.getpid()).uniform(0, 1.5))  # land anywhere inside a step
+    tree = [proc.pid, *descendants(proc.pid)]
+    for pid in tree:  # the machine going away: trainer, Ray and workers at once
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    proc = run_async(tmp_path / "again", *EXACT, f"train.total_steps={STEPS}", "train.checkpoint_frequency=1",
+                     f"resume={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert prompt_sequence(tmp_path) == straight
+
+
+def test_sigterm_finishes_the_step_checkpoints_stops_the_workers_and_resumes_exactly(straight, tmp_path):
     """ray.init replaced the SIGTERM handler: the run aborted with SIGABRT and no checkpoint."""
-    proc, workers = start_long_run(tmp_path)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc = start(tmp_path, *EXACT, "train.total_steps=1000")
+    workers = worker_pids(proc)
+    assert workers, "no rollout worker process of this run found"
+    proc.send_signal(signal.SIGTERM)
+    stderr = finish(proc, timeout=180)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    checkpoints = sorted((tmp_path / "checkpoints").glob("step_*.pt"))
-    assert checkpoints and int(checkpoints[-1].stem.split("_")[1]) == step_rows(tmp_path)[-1]["step"]
-    assert workers and not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+    assert last_checkpoint(tmp_path)["step"] == step_rows(tmp_path)[-1]["step"] < STEPS
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
+    proc = run_async(tmp_path / "again", *EXACT, f"train.total_steps={STEPS}", f"resume={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert prompt_sequence(tmp_path) == straight
+
+
+def test_killed_worker_is_replaced_and_the_run_trains_every_batch_once(straight, tmp_path):
+    """A killed worker used to end the run with a 40-line traceback and no checkpoint."""
+    proc = start(tmp_path, *EXACT, f"train.total_steps={STEPS}")
+    for pid in worker_pids(proc):
+        os.kill(pid, signal.SIGKILL)
+    stderr = finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "rollout worker 0 failed" in stderr and "restart 1 of 3" in stderr
+    assert prompt_sequence(tmp_path) == straight  # its batches were generated again, first
+    assert step_rows(tmp_path)[-1]["worker_restarts"] == 1
+
+
+def test_when_restarts_run_out_the_run_checkpoints_and_says_so_in_one_line(tmp_path):
+    proc = start(tmp_path, *EXACT, "train.total_steps=1000", "train.max_worker_restarts=0")
+    for pid in worker_pids(proc):
+        os.kill(pid, signal.SIGKILL)
+    stderr = finish(proc)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: rollout worker 0 failed (") and "train.max_worker_restarts=0" in last, last
+    saved, trained = last_checkpoint(tmp_path), len(step_rows(tmp_path))
+    assert f"emergency checkpoint of step {trained}" in stderr and f"resume={tmp_path}" in stderr
+    assert saved["step"] == trained
+    # consumed = every batch handed out minus the pending ones: exactly the trained steps' batches
+    state = saved["prompt_stream"]
+    assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(trained))
+
+
+def test_pool_replaces_a_worker_killed_with_ray_kill():
+    """Straight at the pool: every batch index comes out once, in order, around a ray.kill."""
+    from grpo.generation import inference_state_dict
+    from grpo.models import load_causal_lm, load_tokenizer, stop_token_ids
+    from grpo.ray_collectors import RolloutPool
+    from grpo.setup import ray_pythonpath
+
+    cfg = compose("grpo_tiny", SMALL + EXACT + ["train.buffer_size=1"])  # 2 batches ahead: the kill hits one
+    tokenizer = load_tokenizer(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), tokenizer, dtype=torch.float32, device=torch.device("cpu"))
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}})
+    try:
+        ledger = PromptLedger()
+        pool = RolloutPool(cfg, [torch.device("cpu")], stop_token_ids(tokenizer, model.generation_config), ledger,
+                           inference_state_dict(model), version=0)
+        seen = []
+        for step in range(6):
+            if step == 2:
+                ray.kill(pool.workers[0])
+            rollouts = pool.next_rollouts(trainer_version=0)
+            seen.append(sorted(set(rollouts["row_index"].tolist())))
+            pool.commit()
+        assert pool.step_metrics()["worker_restarts"] == 1
+        stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
+        assert seen == [sorted(set(stream.batch(k, 4))) for k in range(6)]
+        assert ledger.state() == {"next_batch": 6 + pool.capacity, "pending": list(range(6, 6 + pool.capacity))}
+    finally:
+        ray.shutdown()

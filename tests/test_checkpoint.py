@@ -1,19 +1,24 @@
 """Checkpoints restore the same state: resumed runs equal straight ones, kills lose nothing."""
 
+import hashlib
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
 from conftest import compose
-from grpo.checkpoint import (check_resumable, find_checkpoint, list_checkpoints, load_latest_good,
+from grpo import checkpoint
+from grpo.checkpoint import (check_resumable, find_checkpoint, list_checkpoints, load_checkpoint, load_latest_good,
                              restore_training_state, save_checkpoint, truncate_metrics)
 from grpo.errors import ResumeError
 
@@ -44,8 +49,7 @@ def step_rows(run_dir):
 
 
 def final_weights(run_dir):
-    path = list_checkpoints(run_dir / "checkpoints")[-1]
-    return torch.load(path, map_location="cpu", weights_only=False)["model"]
+    return load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])["model"]
 
 
 @pytest.fixture(scope="module")
@@ -102,37 +106,203 @@ def test_sigterm_checkpoints_at_step_boundary_and_resumes(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    saved = torch.load(list_checkpoints(tmp_path / "checkpoints")[-1], weights_only=False)
+    saved = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])
     assert saved["step"] == max(step_rows(tmp_path)) < 50
     run(tmp_path / "again", f"train.total_steps={saved['step'] + 1}", f"resume={tmp_path}")
     assert max(step_rows(tmp_path)) == saved["step"] + 1
 
 
-def _save(ckpt_dir, step, keep_last=None):
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(model.parameters())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return save_checkpoint(ckpt_dir, step, model=model, optimizer=opt, scheduler=sched,
-                           counters={"step": step},
-                           resolved_config={}, keep_last=keep_last)
+def _trained(seed=0):
+    """A model with a frozen part, after two AdamW steps: optimiser state and schedule are not trivial."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))
+    for _ in range(2):
+        model(torch.randn(5, 3)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return model, opt, sched
+
+
+def _save(ckpt_dir, step, keep_last=None, extra=None):
+    model, opt, sched = _trained(step)
+    return save_checkpoint(ckpt_dir, step, model=model, optimizer=opt, scheduler=sched, counters={"step": step},
+                           resolved_config={}, extra=extra, keep_last=keep_last)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _draws():
+    return random.random(), np.random.rand(), torch.rand(3).tolist(), np.random.randn()
+
+
+def test_round_trip_restores_weights_optimizer_schedule_and_rng(tmp_path):
+    model, opt, sched = _trained()
+    np.random.randn()  # a cached Gaussian is part of numpy's state too
+    path = save_checkpoint(tmp_path, 7, model=model, optimizer=opt, scheduler=sched, counters={"step": 7},
+                           resolved_config={"seed": 1}, extra={"data_position": 3, "wandb_run_id": None})
+    expected = _draws()
+    assert path.name == "step_00000007.json" and sorted(p.suffix for p in tmp_path.iterdir()) == [".json",
+                                                                                                ".safetensors"]
+
+    fresh, fresh_opt, fresh_sched = _trained(seed=1)
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    payload = load_checkpoint(path)
+    assert set(payload["model"]) == {"1.weight", "1.bias"}  # only what training changes
+    assert payload["step"] == 7 and payload["data_position"] == 3 and payload["wandb_run_id"] is None
+    restore_training_state(payload, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched)
+    assert _same(fresh[1].state_dict(), model[1].state_dict())
+    assert _same(fresh_opt.state_dict(), opt.state_dict()) and _same(fresh_sched.state_dict(), sched.state_dict())
+    assert _draws() == expected
+    # and training goes on identically from there
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m[1].weight.sum().backward()
+        o.step()
+    assert _same(fresh[1].state_dict(), model[1].state_dict())
+
+
+def test_extras_must_be_plain_json(tmp_path):
+    with pytest.raises(TypeError, match="checkpoint extra 'shuttle' is not JSON-serialisable"):
+        _save(tmp_path, 1, extra={"data_position": 2, "shuttle": torch.zeros(2)})
+    assert not list(tmp_path.iterdir())  # refused before anything was written
 
 
 def test_corrupt_latest_falls_back_to_previous_with_warning(tmp_path):
     _save(tmp_path, 1)
     latest = _save(tmp_path, 2)
-    latest.write_bytes(latest.read_bytes()[:100])  # a write cut short
-    with pytest.warns(UserWarning, match="unreadable"):
+    tensors = tmp_path / json.loads(latest.read_text())["tensors"]["file"]
+    tensors.write_bytes(tensors.read_bytes()[:100])  # cut short
+    torn = _save(tmp_path, 3)
+    torn.write_text(torn.read_text()[:100])
+    with pytest.warns(UserWarning, match="unreadable") as warned:
         path, payload = load_latest_good(tmp_path)
-    assert payload["step"] == 1 and path.name == "step_00000001.pt"
+    assert "JSONDecodeError" in str(warned[0].message) and "sha256" in str(warned[1].message)
+    assert payload["step"] == 1 and path.name == "step_00000001.json"
     with pytest.warns(UserWarning):
         assert find_checkpoint(str(tmp_path), experiment_name="x", search_roots=[])[1]["step"] == 1
+
+
+def test_a_flipped_byte_in_tensor_data_is_detected(tmp_path):
+    _save(tmp_path, 1)
+    latest = _save(tmp_path, 2)
+    tensors = tmp_path / json.loads(latest.read_text())["tensors"]["file"]
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0x01  # one bit of the last tensor: the file still parses, and loads silently without a checksum
+    tensors.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="does not match its sha256"):
+        path, payload = load_latest_good(tmp_path)
+    assert payload["step"] == 1
+    with pytest.warns(UserWarning, match="does not match its sha256"):  # named explicitly: the older one, said so
+        assert find_checkpoint(str(latest), experiment_name="x", search_roots=[])[1]["step"] == 1
+    (tmp_path / "step_00000001.json").unlink()
+    with pytest.raises(ResumeError, match=r"unreadable \(ValueError: .* does not match its sha256.*no older"):
+        find_checkpoint(str(latest), experiment_name="x", search_roots=[])
+
+
+def test_torn_temp_writes_are_ignored_then_cleaned_up(tmp_path):
+    _save(tmp_path, 1)
+    # killed while writing step 2: temp files, and tensors renamed into place but never committed by their JSON
+    (tmp_path / "step_00000002.safetensors.tmp").write_bytes(b"\x00" * 10)
+    (tmp_path / "step_00000002.json.tmp").write_text('{"step": 2, "mod')
+    (tmp_path / "step_00000002.0123456789abcdef.safetensors").write_bytes(b"\x00" * 10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path, payload = load_latest_good(tmp_path)
+    assert payload["step"] == 1 and list_checkpoints(tmp_path) == [path]
+    _save(tmp_path, 3)
+    assert sorted(p.name[:13] + p.suffix for p in tmp_path.iterdir()) == [
+        "step_00000001.json", "step_00000001.safetensors", "step_00000003.json", "step_00000003.safetensors"]
+
+
+@pytest.mark.parametrize("killed_at_rename", [0, 1, None])
+def test_a_kill_at_any_rename_leaves_the_old_or_the_new_checkpoint(tmp_path, monkeypatch, killed_at_rename):
+    """Saving a step that already has a checkpoint (the final save after a periodic one) included."""
+    old_weights = load_checkpoint(_save(tmp_path, 2))["model"]
+    renames, real_replace = [], os.replace
+
+    def replace(src, dst):
+        if len(renames) == killed_at_rename:
+            raise KeyboardInterrupt("killed")
+        renames.append(dst)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    model, opt, sched = _trained(seed=9)
+    try:
+        save_checkpoint(tmp_path, 2, model=model, optimizer=opt, scheduler=sched, counters={"step": 2},
+                        resolved_config={})
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, payload = load_latest_good(tmp_path)
+    new_weights = {f"1.{k}": v for k, v in model[1].state_dict().items()}
+    assert _same(payload["model"], new_weights if killed_at_rename is None else old_weights)
 
 
 def test_keep_last_prunes_and_leaves_no_temp_files(tmp_path):
     for step in range(1, 6):
         _save(tmp_path, step, keep_last=2)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.pt", "step_00000005.pt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.json", "step_00000005.json"]
+    assert sorted(p.name[:13] for p in tmp_path.glob("*.safetensors")) == ["step_00000004", "step_00000005"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+class _Exploit:
+    """What a crafted step_*.pt holds: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+def test_a_crafted_pickle_is_never_loaded(tmp_path):
+    """A step_*.pt used to be torch.load-ed with weights_only=False: this one ran its command on resume."""
+    marker = tmp_path / "pwned"
+    run_dir = tmp_path / "victim"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    crafted = run_dir / "checkpoints" / "step_00000003.pt"
+    torch.save({"step": 3, "model": _Exploit(marker)}, crafted)
+    for resume in (crafted, run_dir):
+        with pytest.raises(ResumeError, match=r"pickled checkpoints .* are not loaded: unpickling can run arbitrary"):
+            find_checkpoint(str(resume), experiment_name="grpo-tiny", search_roots=[])
+    # resume=auto over a folder planted under outputs/: a 2-line config, the pickle, and a JSON whose
+    # "tensors" (with the right sha256) are that pickle again
+    planted = tmp_path / "outputs" / "2099-01-01" / "00-00-00"
+    (planted / ".hydra").mkdir(parents=True)
+    (planted / ".hydra" / "config.yaml").write_text("logging:\n  experiment_name: grpo-tiny\n")
+    (planted / "checkpoints").mkdir()
+    (planted / "checkpoints" / "step_00000003.pt").write_bytes(crafted.read_bytes())
+    disguised = planted / "checkpoints" / "step_00000004.0123456789abcdef.safetensors"
+    disguised.write_bytes(crafted.read_bytes())
+    (planted / "checkpoints" / "step_00000004.json").write_text(json.dumps({"step": 4, "tensors": {
+        "file": disguised.name, "sha256": hashlib.sha256(disguised.read_bytes()).hexdigest()}}))
+    with pytest.warns(UserWarning, match="unreadable"), pytest.raises(ResumeError, match="resume=auto: no run"):
+        find_checkpoint("auto", experiment_name="grpo-tiny", search_roots=[tmp_path / "outputs"])
+    assert not marker.exists()
+    proc = subprocess.run(grpo_cmd(tmp_path / "new", f"resume={crafted}"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2 and "pickled checkpoints" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not marker.exists()
+    torch.load(crafted, weights_only=False)  # the old loader: the payload is live
+    assert marker.exists()
 
 
 def test_resume_truncation_drops_later_rows_and_a_torn_last_line(tmp_path):
@@ -148,7 +318,7 @@ def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
     """These used to end in KeyError: 'step' or a size-mismatch dump, deep inside the restore."""
     cfg = compose("grpo_tiny")
     (tmp_path / "metrics.jsonl").write_text("")
-    in_run_dir = tmp_path / "checkpoints" / "step_00000001.pt"
+    in_run_dir = tmp_path / "checkpoints" / "step_00000001.json"
     with pytest.raises(ResumeError, match=r"is not a checkpoint of this project \(it lacks \['step'"):
         check_resumable(in_run_dir, {"weights": 1}, cfg)
     payload = {key: {} for key in ("step", "model", "optimizer", "scheduler", "counters", "rng")}
@@ -158,7 +328,7 @@ def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
     payload["config"]["model"]["name"] = cfg.model.name
     check_resumable(in_run_dir, payload, cfg)  # the same model, in a run dir: fine
     with pytest.raises(ResumeError, match=r"is not in a run dir's checkpoints/ folder"):
-        check_resumable(tmp_path / "elsewhere" / "x.pt", payload, cfg)  # the run would write into its parent
+        check_resumable(tmp_path / "elsewhere" / "step_00000001.json", payload, cfg)  # it would write into its parent
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

@@ -8,6 +8,9 @@ import sys
 import pytest
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
+from grpo.checkpoint import list_checkpoints
+from grpo.data import PromptStream
+from grpo.envs import load_gsm8k
 
 FAST = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "logging.progress_bar=false"]
 
@@ -35,7 +38,10 @@ def test_tiny_sync_run_learns(tmp_path):
     # two epochs per batch: the second is off-policy, so ratios move away from 1
     assert any(r["ess"] < 1 for r in steps) and any(r["clip_fraction"] > 0 for r in steps)
     assert (tmp_path / "metrics.png").stat().st_size > 0
-    assert list((tmp_path / "checkpoints").glob("step_*.pt"))
+    assert list_checkpoints(tmp_path / "checkpoints")
+    # step k trains stream batch k-1: the batch the env drew while it was built used to be skipped
+    stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
+    assert [r["prompt_indices"] for r in steps] == [sorted(set(stream.batch(k, 8))) for k in range(10)]
 
 
 def test_multirun_sweep_runs_every_job(tmp_path):

@@ -1,5 +1,5 @@
-"""grpo/inference.py: generation options, the static-cache generation path, and generation on the
-training model object itself staying correct while it trains."""
+"""grpo/inference.py: generation options through TorchRL's wrapper, and generation on the training
+model object itself staying correct while it trains."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ from conftest import compose, reply_log_probs
 from grpo.batch import to_training_batch
 from grpo.envs import make_collector, make_env
 from grpo.generation import generate_kwargs
-from grpo.inference import TransformersInference, compiled_decode_kwargs, make_transformers_policy
+from grpo.decoding import ReplySampler
+from grpo.inference import TransformersInference, make_transformers_policy
 from grpo.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
 from grpo.setup import resolve_local_paths
 from grpo.step import train_mode_if
@@ -27,46 +28,8 @@ def tiny(tiny_model_dir, tiny_data_dir):
 def collect(cfg, tok, model, gen_kwargs: dict, seed: int = 0):
     torch.manual_seed(seed)
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8, shuffle=False)
-    policy = make_transformers_policy(model, tok, gen_kwargs=gen_kwargs)
+    policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok, gen_kwargs=gen_kwargs)
     return next(iter(make_collector(env, policy, 8))).reshape(-1), policy
-
-
-def test_compiled_decode_is_off_on_cpu_and_when_disabled(tiny):
-    cfg, _, model = tiny
-    assert cfg.inference_model.compile  # the default: on, where a GPU makes it possible
-    assert compiled_decode_kwargs(cfg, model) == {}  # transformers compiles nothing on CPU
-    cfg.inference_model.compile = False
-    try:
-        assert compiled_decode_kwargs(cfg, model) == {}
-    finally:
-        cfg.inference_model.compile = True
-
-
-def test_static_cache_reaches_generate_and_keeps_log_probs_exact(tiny):
-    """TorchRL's wrapper drops generate() options it does not know; ours passes them on. With the
-    static KV cache (what the compiled decode step runs on), replies still come with the log-probs
-    of the model that sampled them, and greedy replies are those of the default cache."""
-    cfg, tok, model = tiny
-    static = {"cache_implementation": "static", "max_cache_len": 384}
-    stop_ids = stop_token_ids(tok, model.generation_config)
-    greedy = generate_kwargs(cfg, tok, greedy=True, max_new_tokens=16, stop_ids=stop_ids)
-    if hasattr(model, "_previous_max_cache_length"):
-        del model._previous_max_cache_length
-    rollouts, policy = collect(cfg, tok, model, {**greedy, **static})
-    assert policy.generate_kwargs["cache_implementation"] == "static"
-    assert model._previous_max_cache_length == 384  # set by transformers when it builds a static cache
-
-    baseline, _ = collect(cfg, tok, model, greedy)
-    for a, b in zip(rollouts.unbind(0), baseline.unbind(0)):
-        assert torch.equal(a["tokens", "response"], b["tokens", "response"])
-
-    sampled, _ = collect(cfg, tok, model, {**generate_kwargs(cfg, tok, greedy=False, max_new_tokens=16, stop_ids=stop_ids), **static})
-    batch = to_training_batch(sampled, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
-    assert batch["reply_mask"].sum() > 0
-    with torch.no_grad():
-        trainer_lp = reply_log_probs(model, batch)
-    mask = batch["reply_mask"]
-    torch.testing.assert_close(batch["behaviour_log_probs"][mask], trainer_lp[mask], atol=1e-4, rtol=1e-4)
 
 
 def sampled_rollouts(cfg, tok, model, *, seed=0, **overrides):

@@ -1,10 +1,8 @@
 """grpo/run.py: the state both scripts share, driven as the async script drives it."""
 
 import pytest
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import open_dict
 
-from conftest import compose
+from conftest import compose_in_run_dir
 from grpo.envs import make_collector, make_env
 from grpo.run import TrainingRun
 
@@ -14,16 +12,10 @@ def async_run(tmp_path, tiny_model_dir, tiny_data_dir):
     """A TrainingRun as grpo-async.py builds it (dedicated inference: its own engine only evaluates),
     with the vLLM backend, so that engine holds a copy of the weights rather than the policy itself."""
     pytest.importorskip("vllm")
-    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "logger=none",
+    cfg = compose_in_run_dir(tmp_path, [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "logger=none",
                                 "logging.progress_bar=false", "inference_model.backend=vllm", "env.repeats=4",
                                 "env.num_envs=8", "train.dialog_turns_per_batch=8", "train.optim_batch_size=4",
-                                "train.gradient_accumulation_steps=1", "train.epochs=1", "eval.num_problems=8", "eval.batch_size=8"],
-                  return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.hydra.runtime.output_dir = str(tmp_path)
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
+                                "train.gradient_accumulation_steps=1", "train.epochs=1", "eval.num_problems=8", "eval.batch_size=8"])
     run = TrainingRun(cfg, inference_engines=1, dedicated_inference=True)
     yield run
     run.inference.shutdown()

@@ -1,0 +1,200 @@
+"""Sampling replies from a Hugging Face causal LM: the transformers backend's own decode loop.
+
+``model.generate`` ran rollouts at 3.8% of the memory-bandwidth bound on an H100 (1.5B shape, 64
+replies x 512 tokens, 26.9 ms per token): its static cache is sized once for ``max_model_len`` so
+every step attends over 2048 slots; with a padding mask, transformers' SDPA path copies K and V
+once per query head (GQA) inside a compiled step; and ``output_logits`` keeps float32
+full-vocabulary logits for every generated token (47 GB peak). This loop instead:
+
+- sizes the KV cache to the batch's need (longest prompt + ``max_new_tokens``), rounded up to
+  ``cache_bucket`` tokens so the compiled step is reused across batches;
+- reads each K/V head once for its group of query heads when decoding (``decode_attention``);
+- keeps only the sampled token's log-prob (raw logits, before temperature: what the trainer scores);
+- runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
+- stops once every reply has ended.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+DECODE_ATTENTION = "grpo_decode"
+# `done.all()` waits for the GPU; checking every few tokens keeps the CPU ahead of the GPU
+STOP_CHECK_EVERY = 8
+# the options TorchRL's wrapper adds to every generate call; this loop returns what they ask for
+TORCHRL_GENERATE_OPTIONS = {"tokenizer", "output_logits", "return_dict_in_generate", "num_return_sequences"}
+
+
+def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """SDPA, except for one-token queries (decoding): the query heads of a KV group are batched
+    against their shared K/V, so the cache is read once and never copied per head."""
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling       # [B, kv heads, group, slots]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, : key.shape[2]]                     # [B, 1, 1, slots]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)           # [B, kv heads, group, head dim]
+    return out.reshape(batch, q_heads, 1, head_dim).transpose(1, 2), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, decode_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
+
+
+def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float):
+    """The next token of each row and its log-prob under the raw logits."""
+    logits = logits.float()
+    if greedy:
+        token = logits.argmax(-1)
+    else:
+        scaled = logits / temperature
+        if top_k:
+            kth = scaled.topk(top_k, dim=-1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if top_p < 1.0:
+            ordered, order = scaled.sort(dim=-1, descending=True)
+            mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
+            ordered = ordered.masked_fill(mass_before > top_p, float("-inf"))  # the top token always stays
+            scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)
+        probs = scaled.softmax(-1)
+        token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)   # exact categorical sample
+    log_prob = logits.gather(-1, token[:, None])[:, 0] - logits.logsumexp(-1)
+    return token, log_prob
+
+
+class DecodeBuffers:
+    """What one decode step reads and advances in place. Fixed addresses: a CUDA graph replays the step."""
+
+    def __init__(self, batch: int, slots: int, max_new_tokens: int, stop_ids: list[int], device):
+        self.last_token = torch.zeros(batch, dtype=torch.long, device=device)
+        self.position = torch.zeros(batch, 1, dtype=torch.long, device=device)  # of the next token, per reply
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)             # its KV-cache slot
+        self.mask = torch.zeros(batch, slots, dtype=torch.long, device=device)  # slots each reply attends to
+        self.done = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
+        self.log_probs = torch.zeros(batch, max_new_tokens, device=device)
+        self.stop_ids = torch.tensor(stop_ids, device=device)
+
+
+def record(buf: DecodeBuffers, token, log_prob, pad_token_id: int) -> None:
+    """Store a sampled token (the pad once its reply has ended) and its log-prob."""
+    token = token.masked_fill(buf.done, pad_token_id)
+    buf.tokens.index_copy_(1, buf.step, token[:, None])
+    buf.log_probs.index_copy_(1, buf.step, log_prob.masked_fill(buf.done, 0.0)[:, None])
+    buf.done.logical_or_(torch.isin(token, buf.stop_ids))
+    buf.last_token.copy_(token)
+    buf.step.add_(1)
+
+
+def decode_step(model, cache, buf: DecodeBuffers, pad_token_id: int, sampling: dict) -> None:
+    """Feed the last token, sample the next: one replayable step, no host synchronisation."""
+    buf.mask.index_fill_(1, buf.slot, 1)
+    logits = model(input_ids=buf.last_token[:, None], position_ids=buf.position, cache_position=buf.slot,
+                   attention_mask=buf.mask, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    record(buf, *sample_tokens(logits, **sampling), pad_token_id)
+    buf.position.add_(1)
+    buf.slot.add_(1)
+
+
+class ReplySampler(torch.nn.Module):
+    """What TorchRL's ``TransformersWrapper`` calls ``generate`` on: samples replies with ``model``.
+
+    ``compile``: on a single CUDA device, the decode step (forward, sampler, bookkeeping) is compiled
+    and captured as one CUDA graph, so a token costs one replay and no Python. torch.compile's own
+    "reduce-overhead" mode graphed the forward alone; the guards, sampler and bookkeeping around it
+    kept 2.4 ms of host work per token (0.5B, 64 replies, H100: 14% of the bound). Elsewhere (CPU, a
+    model split over GPUs) the same step runs eagerly.
+    """
+
+    def __init__(self, model, *, compile: bool, cache_bucket: int):
+        super().__init__()
+        self.model = model
+        self.cache_bucket = cache_bucket
+        model.set_attn_implementation(DECODE_ATTENTION)
+        device = next(model.parameters()).device
+        split = len(set(getattr(model, "hf_device_map", {}).values())) > 1
+        self.graphed = compile and device.type == "cuda" and not split
+        # per batch size: (slots, cache); it only grows, since its graphs are bound to its tensors
+        self._caches: dict[int, tuple[int, StaticCache]] = {}
+        self._steps: dict[tuple, tuple[DecodeBuffers, callable]] = {}
+
+    def kv_cache(self, batch: int, length: int) -> tuple[int, StaticCache]:
+        needed = -(-length // self.cache_bucket) * self.cache_bucket
+        if batch not in self._caches or self._caches[batch][0] < needed:
+            self._caches.pop(batch, None)  # free the old cache and its graphs before allocating the next
+            self._steps = {key: value for key, value in self._steps.items() if key[0] != batch}
+            self._caches[batch] = (needed, StaticCache(config=self.model.config, max_cache_len=needed))
+        return self._caches[batch]
+
+    def decode_step_for(self, batch, slots, cache, max_new_tokens, stop_ids, pad_token_id, sampling):
+        """The buffers and the step function for this shape and these options, built once."""
+        key = (batch, slots, max_new_tokens, tuple(stop_ids), pad_token_id, tuple(sampling.items()))
+        if key in self._steps:
+            return self._steps[key]
+        buf = DecodeBuffers(batch, slots, max_new_tokens, stop_ids, self.model.device)
+        args = (self.model, cache, buf, pad_token_id, sampling)
+        step = lambda: decode_step(*args)  # noqa: E731
+        # building samples tokens it throws away: the run's random stream must not depend on when it happens
+        # (a resumed run builds at another step than an uninterrupted one)
+        with torch.random.fork_rng(devices=[self.model.device] if self.graphed else []):
+            decode_step(*args)  # eager first: the cache allocates its tensors outside any graph
+            if self.graphed:
+                step = self.capture(args)
+        self._steps[key] = (buf, step)
+        return buf, step
+
+    @staticmethod
+    def capture(args) -> callable:
+        """``decode_step(*args)`` compiled (fused kernels) and captured as one CUDA graph: its replay."""
+        compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
+        side = torch.cuda.Stream()  # warm-up (compilation, autotuning) off the capture stream, as CUDA graphs need
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                compiled(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compiled(*args)
+        return graph.replay
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
+                 do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, **torchrl_options):
+        unknown = set(torchrl_options) - TORCHRL_GENERATE_OPTIONS
+        if unknown or torchrl_options.get("num_return_sequences", 1) != 1:
+            raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
+        batch, prompt_len = input_ids.shape
+        sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        slots, cache = self.kv_cache(batch, prompt_len + max_new_tokens)
+        buf, step = self.decode_step_for(batch, slots, cache, max_new_tokens, list(eos_token_id), pad_token_id,
+                                         sampling)
+        cache.reset()  # newer transformers write at the cache's own running length, not at cache_position
+        buf.mask.zero_()
+        buf.mask[:, :prompt_len] = attention_mask
+        buf.done.zero_()
+        buf.step.zero_()
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=buf.mask,
+                            cache_position=torch.arange(prompt_len, device=input_ids.device), past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1]  # prefill: eager, prompt widths vary
+        record(buf, *sample_tokens(logits, **sampling), pad_token_id)
+        buf.position.copy_(positions[:, -1:] + 1)
+        buf.slot.fill_(prompt_len)
+        generated = 1
+        while generated < max_new_tokens and not (generated % STOP_CHECK_EVERY == 0 and bool(buf.done.all())):
+            step()
+            generated += 1
+        # TorchRL stacks ``logits`` along dim 1 into [B, T]: here, the sampled tokens' log-probs
+        return {"sequences": torch.cat([input_ids, buf.tokens[:, :generated].to(input_ids.dtype)], dim=1),
+                "logits": buf.log_probs[:, :generated].T.clone()}

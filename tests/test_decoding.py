@@ -1,0 +1,135 @@
+"""grpo/decoding.py: the decode loop samples what transformers would, with the trainer's log-probs."""
+
+import pytest
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from grpo.decoding import ReplySampler, decode_attention, sample_tokens
+from grpo.models import load_causal_lm, load_tokenizer, stop_token_ids
+
+QUESTIONS = ["What is 2 + 3?", "Tom has 12 apples and buys 30 more. How many apples does he have now?",
+             "7 + 8 = ?", "What is 100 - 1?"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    return tok, model, ReplySampler(model, compile=False, cache_bucket=64)
+
+
+def prompts(tok):
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    enc = tok.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", padding=True,
+                                  padding_side="left", return_dict=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def options(tok, model, **overrides):
+    return {"max_new_tokens": 24, "eos_token_id": stop_token_ids(tok, model.generation_config),
+            "pad_token_id": tok.pad_token_id, "do_sample": True} | overrides
+
+
+def teacher_forced_log_probs(model, sequences, prompt_mask, pad_id):
+    """Each reply token's log-prob from one forward over prompt + reply (what the trainer computes)."""
+    prompt_len = prompt_mask.shape[1]
+    mask = torch.cat([prompt_mask, (sequences[:, prompt_len:] != pad_id).long()], 1)
+    with torch.no_grad():
+        logits = model(input_ids=sequences, attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
+    log_probs = logits[:, prompt_len - 1:-1].log_softmax(-1)
+    return log_probs.gather(-1, sequences[:, prompt_len:, None])[..., 0]
+
+
+def test_greedy_replies_are_transformers_generate_replies(tiny):
+    tok, model, sampler = tiny
+    ids, mask = prompts(tok)
+    ours = sampler.generate(ids, mask, **options(tok, model, do_sample=False))["sequences"]
+    again = sampler.generate(ids, mask, **options(tok, model, do_sample=False))["sequences"]
+    assert torch.equal(ours, again)  # the reused KV cache starts empty
+    theirs = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=24,
+                            eos_token_id=stop_token_ids(tok, model.generation_config), pad_token_id=tok.pad_token_id)
+    width = max(ours.shape[1], theirs.shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=tok.pad_token_id)  # noqa: E731
+    assert torch.equal(pad(ours), pad(theirs))
+
+
+def test_sampled_log_probs_are_the_trainers_and_replies_stop_at_their_first_stop_token(tiny):
+    tok, model, sampler = tiny
+    ids, mask = prompts(tok)
+    torch.manual_seed(0)
+    out = sampler.generate(ids.repeat(4, 1), mask.repeat(4, 1), **options(tok, model))
+    replies, log_probs = out["sequences"][:, ids.shape[1]:], out["logits"].T
+    stop = torch.tensor(stop_token_ids(tok, model.generation_config))
+    ended = torch.isin(replies, stop)
+    assert ended.any(dim=1).sum() > 0, "the test needs replies that finished before max_new_tokens"
+    after_stop = ended.long().cumsum(1) - ended.long() > 0  # positions after a reply's first stop token
+    assert (replies[after_stop] == tok.pad_token_id).all() and (log_probs[after_stop] == 0).all()
+    expected = teacher_forced_log_probs(model, out["sequences"], mask.repeat(4, 1), tok.pad_token_id)
+    torch.testing.assert_close(log_probs[~after_stop], expected[~after_stop], atol=1e-4, rtol=1e-4)
+
+
+def test_sampling_follows_the_models_distribution():
+    """Over many draws from fixed logits, token frequencies match softmax(logits / temperature), and
+    top-k / top-p keep exactly the tokens they should; the log-prob is of the raw logits."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(20000, 1)
+    token, log_prob = sample_tokens(logits, greedy=False, temperature=2.0, top_k=0, top_p=1.0)
+    freq = torch.bincount(token, minlength=5).float() / len(token)
+    torch.testing.assert_close(freq, (logits[0] / 2.0).softmax(-1), atol=0.01, rtol=0)
+    torch.testing.assert_close(log_prob, logits[0].log_softmax(-1)[token])
+    token, _ = sample_tokens(logits, greedy=False, temperature=1.0, top_k=2, top_p=1.0)
+    assert set(token.tolist()) == {0, 1}
+    probs = logits[0].softmax(-1)  # 0.53, 0.20, 0.12, 0.07, 0.03: top_p=0.7 keeps the first two
+    token, _ = sample_tokens(logits, greedy=False, temperature=1.0, top_k=0, top_p=0.7)
+    assert set(token.tolist()) == {0, 1}
+    kept = probs[:2] / probs[:2].sum()
+    torch.testing.assert_close(torch.bincount(token, minlength=2).float()[:2] / len(token), kept, atol=0.01, rtol=0)
+
+
+def test_decode_attention_equals_sdpa_with_grouped_heads_and_padding():
+    torch.manual_seed(0)
+    batch, q_heads, kv_heads, slots, head_dim = 3, 6, 2, 10, 8
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = q_heads // kv_heads, True, False
+    query = torch.randn(batch, q_heads, 1, head_dim)
+    key, value = torch.randn(batch, kv_heads, slots, head_dim), torch.randn(batch, kv_heads, slots, head_dim)
+    mask = torch.ones(batch, 1, 1, slots, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding
+    mask[1, ..., 7:] = False  # slots not written yet
+    ours, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_is_sized_to_the_batch_and_only_grows(tiny):
+    tok, model, _ = tiny
+    sampler = ReplySampler(model, compile=False, cache_bucket=64)
+    ids, mask = prompts(tok)
+    sampler.generate(ids, mask, **options(tok, model, max_new_tokens=8))
+    slots, first = sampler.kv_cache(len(ids), 1)
+    assert slots == -(-(ids.shape[1] + 8) // 64) * 64  # prompt + reply, rounded up to the bucket
+    sampler.generate(ids[:, -5:], mask[:, -5:], **options(tok, model, max_new_tokens=8))
+    assert sampler.kv_cache(len(ids), 1) == (slots, first)  # a shorter batch reuses it
+    sampler.generate(ids, mask, **options(tok, model, max_new_tokens=slots))
+    assert sampler.kv_cache(len(ids), 1)[0] > slots
+
+
+def test_unknown_generate_options_are_refused(tiny):
+    tok, model, sampler = tiny
+    ids, mask = prompts(tok)
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        sampler.generate(ids, mask, **options(tok, model), repetition_penalty=1.2)
+
+
+def test_building_a_decode_step_leaves_the_random_stream_alone(tiny):
+    """A resumed run builds its decode step at another step than an uninterrupted one: building must
+    not shift the samples that follow (it runs the step once, which samples)."""
+    tok, model, _ = tiny
+    ids, mask = prompts(tok)
+    fresh = ReplySampler(model, compile=False, cache_bucket=64)
+    torch.manual_seed(1)
+    first = fresh.generate(ids, mask, **options(tok, model))["sequences"]  # builds, then samples
+    torch.manual_seed(1)
+    again = fresh.generate(ids, mask, **options(tok, model))["sequences"]  # already built
+    assert torch.equal(first, again)
