@@ -80,10 +80,9 @@ def test_tiny_run_with_vllm_learns(tmp_path):
     # one optimiser step per batch: every loss is computed before that batch's update, so
     # kl_to_inference measures engine vs trainer weights alone, after every weight push
     _, steps, evals = grpo(tmp_path, *FAST, "inference_model.backend=vllm", "train.total_steps=8",
-                           "train.epochs=1", "train.optim_batch_size=64", "optimizer.lr=1e-3",
-                           "eval.frequency=0", "eval.num_problems=64")
-    first, last = steps[:3], steps[-3:]
-    assert sum(r["reward"] for r in last) / 3 > sum(r["reward"] for r in first) / 3 + 0.1
+                           "train.epochs=1", "train.optim_batch_size=64", "eval.frequency=0", "eval.num_problems=64")
+    # held-out accuracy, not the reward: 8 steps' rewards swing with their prompts' difficulty (0.39 -> 0.78 here)
+    assert evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"] + 0.2
     assert all(r["kl_to_inference"] < 1e-3 for r in steps), [r["kl_to_inference"] for r in steps]
     assert all(abs(r["ess"] - 1) < 1e-2 for r in steps)
     assert all(r["weight_sync_s"] > 0 for r in steps)
