@@ -76,6 +76,9 @@ def validate_config(cfg) -> None:
     need(t.inference_is_cap is None or t.inference_is_cap >= 1, f"train.inference_is_cap={t.inference_is_cap} must be "
          ">= 1 (the largest weight a token may get) or null (off).")
     need(t.aggregation in ("token_mean", "prompt_mean"), f"train.aggregation={t.aggregation!r}; use token_mean or prompt_mean.")
+    need(t.loss_variant in ("grpo", "dr_grpo", "gspo"), f"train.loss_variant={t.loss_variant!r}; use grpo, dr_grpo or gspo.")
+    need(not (t.loss_variant == "gspo" and t.inference_is_cap is not None), "train.loss_variant=gspo weighs whole "
+         "replies, train.inference_is_cap weighs tokens: set train.inference_is_cap=null with gspo.")
     need(cfg.inference_model.backend in ("transformers", "vllm"), f"inference_model.backend="
          f"{cfg.inference_model.backend!r}; use transformers or vllm.")
     need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")

@@ -3,10 +3,12 @@
     batch      = to_training_batch(rollouts)              dense [S, P+R], sampler log-probs kept
     ref_lp     = log pi_ref(reply)                         reference scoring, no grad
     kl_ref     = k3(sampler || ref) per reply              logged; subtracted from the reward or a loss term
-    advantage  = (r - mean_group) / std_group              replies to one prompt form a group
+    advantage  = (r - mean_group) / std_group              replies to one prompt form a group (dr_grpo: no / std)
     for epoch, minibatch (accumulated micro-batches):
-        ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, truncated IS)
+        ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, truncated IS);
+                                                           per token (gspo: per reply, geometric mean)
         loss   = -min(ratio A, clip(ratio) A) + c_ref KL_ref + c_inf KL_inf - c_ent H
+                                                           dr_grpo: token sum / (replies x max_new_tokens)
         backward; clip grad norm; optimiser and LR schedule step
 
 Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read
@@ -42,6 +44,8 @@ class GRPOSettings:
     kl_to_inference_coeff: float      # 0.0 still measures the sampler/trainer mismatch
     entropy_coeff: float
     aggregation: str                  # token_mean or prompt_mean
+    loss_variant: str                 # grpo, dr_grpo or gspo
+    max_new_tokens: int               # dr_grpo's constant per reply
     inference_is_cap: float | None    # truncated IS on: clip against the trainer's own log-probs
     epochs: int
     micro_batch_size: int
@@ -58,6 +62,7 @@ class GRPOSettings:
             clip_epsilon_low=t.clip_epsilon_low, clip_epsilon_high=t.clip_epsilon_high,
             kl_to_ref_coeff=t.kl_to_ref_coeff, kl_to_ref_in_reward=not t.kl_coef_in_loss,
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
+            loss_variant=t.loss_variant, max_new_tokens=cfg.inference_model.max_new_tokens,
             inference_is_cap=t.inference_is_cap, epochs=t.epochs,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
             accumulation_steps=t.gradient_accumulation_steps, clip_grad_norm=cfg.optimizer.clip_grad_norm,
@@ -96,7 +101,8 @@ class GRPOStep:
             batch["trainer_log_probs"] = score_replies(batch, self.policy, self.s.micro_batch_size)
             gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
             metrics["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
-        batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch))
+        batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch),
+                                              scale_by_std=self.s.loss_variant != "dr_grpo")
         metrics |= {"advantage_std": batch["advantage"].std().item(), "advantage_mean": batch["advantage"].mean().item()}
         return batch, metrics | {"reference_s": time.perf_counter() - t0}
 
@@ -141,7 +147,8 @@ class GRPOStep:
 
 def grpo_terms(model, batch: TensorDict, s: GRPOSettings, forward=None) -> dict:
     """The loss terms, unweighted (``objective``, ``entropy``, ``kl_to_ref``, ``kl_to_inference``),
-    and diagnostics without gradient, all averaged over reply tokens (``aggregation`` for the first two)."""
+    and diagnostics without gradient, all averaged over reply tokens (``aggregation`` for the first two;
+    the objective of ``dr_grpo`` and ``gspo`` as ``loss_variant`` says)."""
     cur, entropy = (forward or token_log_probs)(model, batch["input_ids"], batch["attention_mask"],
                                                 batch["reply_mask"].shape[1], with_entropy=True,
                                                 entropy_grad=s.entropy_coeff != 0)
@@ -156,25 +163,42 @@ def grpo_terms(model, batch: TensorDict, s: GRPOSettings, forward=None) -> dict:
         old = batch["trainer_log_probs"]
         is_weight = torch.where(mask, old - sampler, 0.0).exp().clamp(max=s.inference_is_cap)
     log_ratio = torch.where(mask, cur - old, 0.0)
-    clipped = log_ratio.clamp(math.log1p(-s.clip_epsilon_low), math.log1p(s.clip_epsilon_high))
-    advantage = batch["advantage"].to(cur.dtype).unsqueeze(-1)
-    gain = torch.minimum(log_ratio.exp() * advantage, clipped.exp() * advantage)
-    if is_weight is not None:
-        gain = gain * is_weight
-    terms = {"objective": aggregate(-gain, mask, s.aggregation), "entropy": aggregate(entropy, mask, s.aggregation),
+    advantage = batch["advantage"].to(cur.dtype)
+    if s.loss_variant == "gspo":  # one ratio per reply, the geometric mean of its tokens' ratios, clipped per reply
+        replies = mask.any(-1)
+        seq_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp_min(1)
+        gain, seq_clipped = clipped_gain(seq_ratio, advantage, s)
+        objective = -(gain * replies).sum() / replies.sum().clamp_min(1)
+        clipped_share = ((seq_clipped != seq_ratio) & replies).sum() / replies.sum().clamp_min(1)
+    else:
+        gain, clipped = clipped_gain(log_ratio, advantage.unsqueeze(-1), s)
+        if is_weight is not None:
+            gain = gain * is_weight
+        if s.loss_variant == "dr_grpo":  # no length normalisation: every token counts the same in any reply
+            objective = -(gain * mask).sum() / (mask.shape[0] * s.max_new_tokens)
+        else:
+            objective = aggregate(-gain, mask, s.aggregation)
+        clipped_share = ((clipped != log_ratio) & mask).sum() / n_tokens
+    terms = {"objective": objective, "entropy": aggregate(entropy, mask, s.aggregation),
              "kl_to_inference": k3(sampler, cur, mask).sum() / n_tokens}
     if "ref_log_probs" in batch.keys() and not s.kl_to_ref_in_reward:
         terms["kl_to_ref"] = k3(batch["ref_log_probs"], cur, mask).sum() / n_tokens
     # masked sums rather than boolean indexing, which would synchronise with the GPU
     with torch.no_grad():
         lw = torch.where(mask, log_ratio, -torch.inf).flatten()
-        terms["clip_fraction"] = ((clipped != log_ratio) & mask).sum() / n_tokens
+        terms["clip_fraction"] = clipped_share.detach()  # of tokens (gspo: of replies)
         terms["ess"] = (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / n_tokens
         terms["kl_approx"] = -log_ratio.sum() / n_tokens
         if is_weight is not None:
             terms["is_weight_mean"] = (is_weight * mask).sum() / n_tokens
             terms["is_truncated_fraction"] = ((is_weight >= s.inference_is_cap) & mask).sum() / n_tokens
     return terms
+
+
+def clipped_gain(log_ratio: torch.Tensor, advantage: torch.Tensor, s: GRPOSettings):
+    """min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), and the clipped log-ratio."""
+    clipped = log_ratio.clamp(math.log1p(-s.clip_epsilon_low), math.log1p(s.clip_epsilon_high))
+    return torch.minimum(log_ratio.exp() * advantage, clipped.exp() * advantage), clipped
 
 
 def weighted_loss(terms: dict, s: GRPOSettings) -> torch.Tensor:
@@ -211,8 +235,9 @@ def per_sample_kl_to_ref(batch: TensorDict) -> torch.Tensor:
     return k3(batch["ref_log_probs"], batch["behaviour_log_probs"], mask).sum(-1) / mask.sum(-1).clamp_min(1)
 
 
-def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
     """(r - group mean) / group std (unbiased, floored at 1e-6): MCAdvantage's formula, vectorised.
+    Without ``scale_by_std`` (Dr. GRPO), r - group mean: groups that barely differ are not inflated.
 
     Replies to the same prompt form a group, whatever their order in the batch. A lone reply
     has no baseline and gets advantage 0 (MCAdvantage would give NaN).
@@ -223,6 +248,8 @@ def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
     mean = torch.zeros(n_groups).index_add_(0, group, reward) / count
     sq = torch.zeros(n_groups).index_add_(0, group, (reward - mean[group]) ** 2)
     std = (sq / (count - 1).clamp_min(1)).sqrt()
+    if not scale_by_std:
+        return reward - mean[group]
     return (reward - mean[group]) / std[group].clamp_min(1e-6)
 
 

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 
@@ -86,3 +87,11 @@ def test_tiny_run_with_vllm_learns(tmp_path):
     assert all(r["kl_to_inference"] < 1e-3 for r in steps), [r["kl_to_inference"] for r in steps]
     assert all(abs(r["ess"] - 1) < 1e-2 for r in steps)
     assert all(r["weight_sync_s"] > 0 for r in steps)
+
+
+@pytest.mark.parametrize("variant", ["dr_grpo", "gspo"])
+def test_each_loss_variant_trains_the_tiny_task(variant, tmp_path):
+    _, steps, _ = grpo(tmp_path, *FAST, f"train.loss_variant={variant}", "train.total_steps=3", "eval.frequency=0",
+                       "eval.num_problems=16")
+    assert len(steps) == 3 and all(math.isfinite(r["loss_objective"]) and r["grad_norm"] > 0 for r in steps)
+

@@ -349,3 +349,55 @@ def test_default_master_weights_apply_updates_of_the_default_learning_rate():
 
     assert changed_fraction(master) > 0.99
     assert changed_fraction(torch.bfloat16) < 0.1  # what the old default did
+
+
+def variant_terms(cfg, model, batch, variant: str) -> dict:
+    cfg = cfg.copy()
+    cfg.train.loss_variant = variant
+    return terms_of(cfg, model, batch)
+
+
+def test_dr_grpo_sums_tokens_over_a_constant_and_keeps_the_advantage_unscaled(setup):
+    """Dr. GRPO: loss = -sum_tokens min(r A, clip(r) A) / (replies x max_new_tokens); A = r - group mean."""
+    cfg, _, model, _, batch = setup
+    batch = batch.clone()
+    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
+    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
+    with torch.no_grad():
+        cur = reply_log_probs(model, batch)
+    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch)
+    batch["advantage"] = advantages
+    total = 0.0
+    for i in range(8):
+        n = int(batch["reply_length"][i])
+        ratio = (cur[i, :n] - batch["behaviour_log_probs"][i, :n]).exp()
+        total += float(torch.minimum(ratio * advantages[i], ratio.clamp(1 - eps_low, 1 + eps_high) * advantages[i]).sum())
+    out = variant_terms(cfg, model, batch, "dr_grpo")
+    assert float(out["objective"]) == pytest.approx(-total / (8 * cfg.inference_model.max_new_tokens), rel=1e-4)
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    assert group_advantages(rewards, groups, scale_by_std=False).tolist() == [0.75, -0.25, -0.25, -0.25,
+                                                                              0.125, 0.125, 0.125, -0.375]
+
+
+def test_gspo_clips_one_geometric_mean_ratio_per_reply(setup):
+    """GSPO: s_i = exp(mean_t log r_t); loss = -mean_i min(s_i A_i, clip(s_i) A_i); its gradient
+    reaches every token of a reply whose ratio is not clipped."""
+    cfg, _, model, _, batch = setup
+    batch = batch.clone()
+    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
+    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
+    with torch.no_grad():
+        cur = reply_log_probs(model, batch)
+    shift = torch.tensor([0.5, -0.5, 0.05, -0.05, 0.4, 0.0, -0.4, 0.1])  # per-reply ratios of about exp(shift)
+    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch, scale=0.3) - shift[:, None] * batch["reply_mask"]
+    batch["advantage"] = advantages
+    gains, clipped = [], 0
+    for i in range(8):
+        n = int(batch["reply_length"][i])
+        seq = (cur[i, :n] - batch["behaviour_log_probs"][i, :n]).mean().exp()
+        gains.append(torch.minimum(seq * advantages[i], seq.clamp(1 - eps_low, 1 + eps_high) * advantages[i]))
+        clipped += int(seq < 1 - eps_low or seq > 1 + eps_high)
+    out = variant_terms(cfg, model, batch, "gspo")
+    assert float(out["objective"]) == pytest.approx(float(-torch.stack(gains).mean()), rel=1e-4, abs=1e-6)
+    assert float(out["clip_fraction"]) == pytest.approx(clipped / 8)
+    assert 0 < clipped < 8, "the test needs clipped and unclipped replies"
