@@ -65,8 +65,9 @@ def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
     return ds
 
 
-def check_prompt_lengths(cfg, tokenizer) -> None:
+def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     """Every prompt a run will send must leave its reply room in ``inference_model.max_model_len``.
+    ``splits``: the train and test splits, by name, as the task's ``load_split`` returned them.
 
     Engines meet a longer one only when it is drawn, mid-run, and then fail or stall (a 33k-token
     question: no step within 300 s). Prompts are counted as the policy will see them: the task's
@@ -82,7 +83,7 @@ def check_prompt_lengths(cfg, tokenizer) -> None:
     im = cfg.inference_model
     for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
                               (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        prompts = texts(TASK_ENVS[cfg.env.task].load_split(cfg.env.dataset, split))
+        prompts = texts(splits[split])
         counts = [len(ids) for ids in tokenizer.apply_chat_template(
             [[{"role": "system", "content": system}, {"role": "user", "content": p}] for p in prompts],
             chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False,

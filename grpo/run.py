@@ -36,8 +36,10 @@ class TrainingRun:
         resolve_local_paths(cfg)
         validate_config(cfg)
         task = TASK_ENVS[cfg.env.task]
-        warn_if_too_few_rows(cfg, len(task.load_split(cfg.env.dataset, cfg.env.train_split)))  # bad data stops here
-        self.num_eval_problems = min(cfg.eval.num_problems, len(task.load_split(cfg.env.dataset, cfg.env.test_split)))
+        splits = {split: task.load_split(cfg.env.dataset, split)  # bad data stops here
+                  for split in (cfg.env.train_split, cfg.env.test_split)}
+        warn_if_too_few_rows(cfg, len(splits[cfg.env.train_split]))
+        self.num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
         self.cfg = cfg
         self.devices = allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)
         print(self.devices.describe(), flush=True)
@@ -61,7 +63,7 @@ class TrainingRun:
 
         configure_attention_kernels(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name)
-        check_prompt_lengths(cfg, self.tokenizer)  # before any model loads: a too-long prompt hangs mid-run
+        check_prompt_lengths(cfg, self.tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
         self.policy_model = load_policy_model(cfg, self.tokenizer, self.devices.torch_device("train"),
                                               shard_over=self.devices.train)
         ref_model = load_reference_model(cfg, self.tokenizer, self.devices.torch_device("ref"),

@@ -316,9 +316,10 @@ def test_the_length_check_counts_prompts_as_the_policy_sees_them(config_name, mo
         return compose(config_name, [*overrides, f"inference_model.max_model_len={max_model_len}"])
 
     reply = max(cfg.inference_model.max_new_tokens, cfg.eval.max_new_tokens)
-    check_prompt_lengths(with_context(prompt_tokens + reply), tokenizer)  # exactly full: fits
+    splits = {split: TASK_ENVS[cfg.env.task].load_split(cfg.env.dataset, split) for split in ("train", "test")}
+    check_prompt_lengths(with_context(prompt_tokens + reply), tokenizer, splits)  # exactly full: fits
     with pytest.raises(DataError, match=f"row 0: its prompt is {prompt_tokens} tokens"):
-        check_prompt_lengths(with_context(prompt_tokens + reply - 1), tokenizer)
+        check_prompt_lengths(with_context(prompt_tokens + reply - 1), tokenizer, splits)
 
 
 def test_clear_errors_prints_a_user_error_as_one_line(capsys):

@@ -156,22 +156,35 @@ def test_loss_value_and_gradient_equal_torchrl_grpoloss(setup):
     assert float(ours["clip_fraction"]) > 0 and 0 < float(ours["ess"]) < 1
 
 
-def test_clipped_loss_matches_hand_computation(setup):
-    """Known importance ratios and advantages: loss = -mean_tokens min(r A, clip(r, 1-el, 1+eh) A)."""
+ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
+
+
+def known_ratios(setup, old_log_probs=_perturbed_old_log_probs):
+    """The setup's batch with known advantages and sampler log-probs, and the model's own log-probs."""
     cfg, _, model, _, batch = setup
     batch = batch.clone()
-    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
-    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
     with torch.no_grad():
         cur = reply_log_probs(model, batch)
-    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch)
-    batch["advantage"] = advantages
+    batch["behaviour_log_probs"] = old_log_probs(batch)
+    batch["advantage"] = ADVANTAGES
+    return cfg, model, batch, cur
+
+
+def hand_gain(ratio, advantage, cfg):
+    """min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), written out."""
+    return torch.minimum(ratio * advantage,
+                         ratio.clamp(1 - cfg.train.clip_epsilon_low, 1 + cfg.train.clip_epsilon_high) * advantage)
+
+
+def test_clipped_loss_matches_hand_computation(setup):
+    """Known importance ratios and advantages: loss = -mean_tokens min(r A, clip(r, 1-el, 1+eh) A)."""
+    cfg, model, batch, cur = known_ratios(setup)
+    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
     gains, clipped, count = [], 0, 0
     for i in range(8):
         n = int(batch["reply_length"][i])
         ratio = (cur[i, :n] - batch["behaviour_log_probs"][i, :n]).exp()
-        a = advantages[i]
-        gains.append(torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a))
+        gains.append(hand_gain(ratio, ADVANTAGES[i], cfg))
         clipped += int(((ratio < 1 - eps_low) | (ratio > 1 + eps_high)).sum())
         count += n
     out = terms_of(cfg, model, batch)
@@ -359,19 +372,12 @@ def variant_terms(cfg, model, batch, variant: str) -> dict:
 
 def test_dr_grpo_sums_tokens_over_a_constant_and_keeps_the_advantage_unscaled(setup):
     """Dr. GRPO: loss = -sum_tokens min(r A, clip(r) A) / (replies x max_new_tokens); A = r - group mean."""
-    cfg, _, model, _, batch = setup
-    batch = batch.clone()
-    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
-    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
-    with torch.no_grad():
-        cur = reply_log_probs(model, batch)
-    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch)
-    batch["advantage"] = advantages
+    cfg, model, batch, cur = known_ratios(setup)
     total = 0.0
     for i in range(8):
         n = int(batch["reply_length"][i])
         ratio = (cur[i, :n] - batch["behaviour_log_probs"][i, :n]).exp()
-        total += float(torch.minimum(ratio * advantages[i], ratio.clamp(1 - eps_low, 1 + eps_high) * advantages[i]).sum())
+        total += float(hand_gain(ratio, ADVANTAGES[i], cfg).sum())
     out = variant_terms(cfg, model, batch, "dr_grpo")
     assert float(out["objective"]) == pytest.approx(-total / (8 * cfg.inference_model.max_new_tokens), rel=1e-4)
     rewards, groups = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.5]), torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
@@ -380,22 +386,16 @@ def test_dr_grpo_sums_tokens_over_a_constant_and_keeps_the_advantage_unscaled(se
 
 
 def test_gspo_clips_one_geometric_mean_ratio_per_reply(setup):
-    """GSPO: s_i = exp(mean_t log r_t); loss = -mean_i min(s_i A_i, clip(s_i) A_i); its gradient
-    reaches every token of a reply whose ratio is not clipped."""
-    cfg, _, model, _, batch = setup
-    batch = batch.clone()
-    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
-    advantages = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
-    with torch.no_grad():
-        cur = reply_log_probs(model, batch)
+    """GSPO: s_i = exp(mean_t log r_t); loss = -mean_i min(s_i A_i, clip(s_i) A_i)."""
     shift = torch.tensor([0.5, -0.5, 0.05, -0.05, 0.4, 0.0, -0.4, 0.1])  # per-reply ratios of about exp(shift)
-    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch, scale=0.3) - shift[:, None] * batch["reply_mask"]
-    batch["advantage"] = advantages
+    cfg, model, batch, cur = known_ratios(
+        setup, lambda b: _perturbed_old_log_probs(b, scale=0.3) - shift[:, None] * b["reply_mask"])
+    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
     gains, clipped = [], 0
     for i in range(8):
         n = int(batch["reply_length"][i])
         seq = (cur[i, :n] - batch["behaviour_log_probs"][i, :n]).mean().exp()
-        gains.append(torch.minimum(seq * advantages[i], seq.clamp(1 - eps_low, 1 + eps_high) * advantages[i]))
+        gains.append(hand_gain(seq, ADVANTAGES[i], cfg))
         clipped += int(seq < 1 - eps_low or seq > 1 + eps_high)
     out = variant_terms(cfg, model, batch, "gspo")
     assert float(out["objective"]) == pytest.approx(float(-torch.stack(gains).mean()), rel=1e-4, abs=1e-6)
