@@ -229,24 +229,31 @@ def restore_training_state(payload: dict, *, model, optimizer, scheduler) -> Non
     set_rng_state(payload["rng"])
 
 
-def find_checkpoint(resume: str, *, experiment_name: str, search_roots: list[Path]) -> tuple[Path, dict]:
+def find_checkpoint(resume: str, *, experiment_name: str, search_roots: list[Path],
+                    overrides: list[str] = ()) -> tuple[Path, dict]:
     """The checkpoint ``resume=`` points at: a checkpoint file, a run dir (its latest good one),
-    or ``auto`` (the latest run of ``experiment_name`` under ``search_roots`` that has one)."""
+    or ``auto``: the latest run under ``search_roots`` with a checkpoint, of ``experiment_name`` and started
+    with the same command-line ``overrides`` (this run's, as Hydra records them; ``resume=`` aside). So a
+    relaunched command continues its own run, and a sweep job (``--multirun``) the job of an earlier sweep
+    with the same values, never a sibling's."""
     if resume == "auto":
+        wanted = _without_resume(overrides)
         candidates = []
         for root in search_roots:
             for cfg_file in Path(root).glob("**/.hydra/config.yaml"):
                 run_dir = cfg_file.parent.parent
-                if f"experiment_name: {experiment_name}\n" in cfg_file.read_text() and list_checkpoints(
-                        run_dir / "checkpoints"):
+                if (f"experiment_name: {experiment_name}\n" in cfg_file.read_text()
+                        and _without_resume(_overrides_of(run_dir)) == wanted
+                        and list_checkpoints(run_dir / "checkpoints")):
                     candidates.append(run_dir)
         for run_dir in sorted(candidates, key=lambda d: max(p.stat().st_mtime for p in list_checkpoints(
                 d / "checkpoints")), reverse=True):
             found = load_latest_good(run_dir / "checkpoints")
             if found:
                 return found
-        raise ResumeError(f"resume=auto: no run of logging.experiment_name={experiment_name!r} with a readable "
-                          f"checkpoint under {[str(r) for r in search_roots]}; {PICKLED}; start without resume.")
+        raise ResumeError(f"resume=auto: no run of logging.experiment_name={experiment_name!r} with the overrides "
+                          f"{wanted} and a readable checkpoint under {[str(r) for r in search_roots]}; {PICKLED}; "
+                          "pass the overrides the run was started with, resume=<its run dir>, or start without resume.")
     path = Path(resume).expanduser()
     if path.is_file():
         if not CKPT_PATTERN.match(path.name):
@@ -270,6 +277,16 @@ def find_checkpoint(resume: str, *, experiment_name: str, search_roots: list[Pat
     raise ResumeError(f"resume={resume}: {PICKLED}; {FRESH}" if pickled else
                       f"resume={resume}: no readable step_*.json checkpoint there or in its checkpoints/ folder; "
                       "give a run dir, a checkpoint file, or resume=auto.")
+
+
+def _overrides_of(run_dir: Path) -> list[str]:
+    """The command-line overrides Hydra recorded for a run (none when it has no record)."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    return list(OmegaConf.load(path)) if path.is_file() else []
+
+
+def _without_resume(overrides: list[str]) -> list[str]:
+    return sorted(o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "resume")
 
 
 def truncate_metrics(metrics_path: Path, step: int) -> None:

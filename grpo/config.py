@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 from omegaconf import OmegaConf
@@ -9,6 +10,7 @@ from omegaconf import OmegaConf
 from grpo.envs import TASK_ENVS
 from grpo.errors import ConfigError
 from grpo.rewards import ANSWER_EXTRACTIONS
+from grpo.user_rewards import parse_spec
 
 
 def validate_config(cfg) -> None:
@@ -30,7 +32,7 @@ def validate_config(cfg) -> None:
                 "inference_model.gpu_memory_utilization", "train.kl_to_ref_coeff", "train.kl_to_inference_coeff",
                 "train.entropy_coeff", "env.repeats", "train.total_steps", "train.epochs", "train.clip_epsilon_low",
                 "train.clip_epsilon_high", "train.num_collectors", "train.buffer_size", "train.weight_update_frequency",
-                "train.max_policy_lag", "train.checkpoint_frequency", "eval.frequency"):
+                "train.max_policy_lag", "train.checkpoint_frequency", "eval.frequency", "reward.success_threshold"):
         value = OmegaConf.select(cfg, key)
         need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key}={value!r} must be a number.")
     for key in ("train.inference_is_cap", "logging.keep_last", "logging.profile_step"):
@@ -69,7 +71,9 @@ def validate_config(cfg) -> None:
          f"train.dialog_turns_per_batch={t.dialog_turns_per_batch}.")
     need(t.optim_batch_size % t.gradient_accumulation_steps == 0, f"train.gradient_accumulation_steps="
          f"{t.gradient_accumulation_steps} must divide train.optim_batch_size={t.optim_batch_size}.")
-    need(t.total_steps >= 1, f"train.total_steps={t.total_steps} must be >= 1.")
+    need(type(t.total_steps) is int and t.total_steps >= 0, f"train.total_steps={t.total_steps!r} must be a whole "
+         "number >= 0 (0 = evaluate only: model.name, or resume='s checkpoint).")
+    need(isinstance(cfg.logging.export, bool), f"logging.export={cfg.logging.export!r} must be true or false.")
     need(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1.")
     need(0 <= t.clip_epsilon_low < 1 and t.clip_epsilon_high >= 0, "train.clip_epsilon_low must be in [0, 1) and "
          "train.clip_epsilon_high >= 0 (e.g. 0.2 and 0.28).")
@@ -79,6 +83,16 @@ def validate_config(cfg) -> None:
     need(t.loss_variant in ("grpo", "dr_grpo", "gspo"), f"train.loss_variant={t.loss_variant!r}; use grpo, dr_grpo or gspo.")
     need(not (t.loss_variant == "gspo" and t.inference_is_cap is not None), "train.loss_variant=gspo weighs whole "
          "replies, train.inference_is_cap weighs tokens: set train.inference_is_cap=null with gspo.")
+    for key in ("train.dynamic_sampling", "train.overlong_filter"):
+        need(isinstance(OmegaConf.select(cfg, key), bool), f"{key}={OmegaConf.select(cfg, key)!r} must be true or false.")
+    need(type(t.max_extra_generation_batches) is int and t.max_extra_generation_batches >= 0,
+         f"train.max_extra_generation_batches={t.max_extra_generation_batches!r} must be a whole number >= 0 (extra "
+         "generation batches dynamic sampling may draw in a step).")
+    buffer, penalty = cfg.reward.overlong_buffer, cfg.reward.overlong_penalty
+    need(type(buffer) is int and 0 <= buffer <= im.max_new_tokens, f"reward.overlong_buffer={buffer!r} must be a whole "
+         f"number of tokens in [0, inference_model.max_new_tokens={im.max_new_tokens}] (0 = no overlong penalty).")
+    need(isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and math.isfinite(penalty) and penalty >= 0,
+         f"reward.overlong_penalty={penalty!r} must be a number >= 0 (the reward lost at max_new_tokens).")
     need(cfg.inference_model.backend in ("transformers", "vllm"), f"inference_model.backend="
          f"{cfg.inference_model.backend!r}; use transformers or vllm.")
     need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")
@@ -103,6 +117,22 @@ def validate_config(cfg) -> None:
     need(cfg.reward.answer_extraction in ANSWER_EXTRACTIONS, f"reward.answer_extraction="
          f"{cfg.reward.answer_extraction!r}; use tag (inside <answer>, strict) or last_number (the last number in the "
          "reply; <answer> still wins when present).")
+    functions, weights = cfg.reward.functions, cfg.reward.weights  # imported and checked against the data at load
+    need(OmegaConf.is_list(functions) and all(isinstance(f, str) for f in functions), f"reward.functions={functions!r} "
+         "must be a list of module.path:function or path/to/file.py:function, e.g. "
+         "reward.functions=[my_pkg.rewards:score].")
+    need(OmegaConf.is_list(weights) and all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                                            for w in weights), f"reward.weights={weights!r} must be a list of numbers.")
+    for i, spec in enumerate(functions):
+        parse_spec(spec, i)
+    need(len(weights) in (0, len(functions)), f"reward.weights has {len(weights)} entries for {len(functions)} "
+         "reward.functions; give one weight per function, or none (1.0 each).")
+    need(cfg.env.task != "generic" or len(functions) > 0, "env.task=generic is scored by your reward functions alone, "
+         "and reward.functions is empty; set reward.functions=[my_pkg.rewards:score] (README, \"Your own task\").")
+    need(isinstance(cfg.env.prompt_key, str) and cfg.env.prompt_key != "", f"env.prompt_key={cfg.env.prompt_key!r} "
+         "must be a column name (the column holding each prompt).")
+    need(cfg.env.answer_key is None or isinstance(cfg.env.answer_key, str) and cfg.env.answer_key != "",
+         f"env.answer_key={cfg.env.answer_key!r} must be a column name or null.")
     for key, value in (("inference_model.max_new_tokens", im.max_new_tokens), ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
         need(value < im.max_model_len, f"{key}={value} leaves no room for the prompt in inference_model.max_model_len="
              f"{im.max_model_len} (the context both engines are sized for); raise "
@@ -112,6 +142,11 @@ def validate_config(cfg) -> None:
          "at the end).")
     need(cfg.logging.keep_last is None or cfg.logging.keep_last >= 0, f"logging.keep_last={cfg.logging.keep_last} "
          "must be >= 0 (0 or null: keep every checkpoint).")
+    lg = cfg.logging
+    need(type(lg.samples_every) is int and lg.samples_every >= 0, f"logging.samples_every={lg.samples_every!r} must "
+         "be a whole number of steps >= 0 (0 = never show replies).")
+    need(type(lg.samples_count) is int and lg.samples_count >= 1, f"logging.samples_count={lg.samples_count!r} must "
+         "be a whole number of prompts >= 1.")
     need(0 < im.gpu_memory_utilization <= 1, f"inference_model.gpu_memory_utilization={im.gpu_memory_utilization} "
          "must be in (0, 1] (vLLM's share of its device's memory).")
 

@@ -3,22 +3,29 @@
 Each env is a ``DatasetChatEnv``: a reset draws prompts from the data set, repeats each
 ``env.repeats`` times (one GRPO group), and a step scores the assistant's reply.
 ``num_envs`` prompts-times-repeats are generated together in one batch.
+
+Tasks: ``gsm8k`` and ``ifeval`` (their data formats and rewards), and ``generic``: your data, one
+prompt column (``env.prompt_key``) sent through the model's chat template, scored by your reward
+functions alone (``reward.functions``, grpo.user_rewards), which the other two add to their own.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 from torchrl.collectors.llm import LLMCollector
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv, IFEvalEnv
 from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 
-from grpo.data import StreamLoader, load_split
+from grpo.data import StreamLoader, data_primer, load_split
 from grpo.errors import DataError
 from grpo.ifeval import load_ifeval_rows, make_ifeval_env
 from grpo.models import wrapper_chat_template
 from grpo.rewards import GSM8KReward, parse_number, reference_answer
+from grpo.user_rewards import UserRewards, load_reward_functions, offered_arguments
 
 
 class GSM8KTaskEnv(DatasetChatEnv):
@@ -65,6 +72,48 @@ def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
     return ds
 
 
+def load_prompt_rows(dataset: str, split: str, *, prompt_key: str = "prompt", answer_key: str | None = None):
+    """A split of your own data: every row needs non-empty text in ``prompt_key`` and, when
+    ``answer_key`` is given, that column too (any values: only reward functions read it)."""
+    ds = load_split(dataset, split)
+    where = f"env.dataset={dataset!r} split {split!r}"
+    for key, column, holds in (("env.prompt_key", prompt_key, "the prompt text"),
+                               ("env.answer_key", answer_key, "what reward functions get as answer (or null)")):
+        if column is not None and column not in ds.column_names:
+            raise DataError(f"{key}={column!r}: {where} has no column {column!r}; its columns are {ds.column_names}. "
+                            f"Set {key} to the column holding {holds}.")
+    for i, prompt in enumerate(ds[prompt_key]):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(f"{where} row {i}: its env.prompt_key column {prompt_key!r} must hold non-empty text; "
+                            f"got {prompt!r}.")
+    return ds
+
+
+def collate_prompts(batch, *, prompt_key: str) -> TensorDict:
+    """Rows into what a chat env reads: their ``prompt_key`` text as ``query`` (the user turn)."""
+    return TensorDict(query=NonTensorStack(*[NonTensorData(row[prompt_key]) for row in batch]), batch_size=[len(batch)])
+
+
+class PromptsEnv(DatasetChatEnv):
+    """Your data as a chat env: the system prompt (if any), then each row's prompt as the user turn;
+    ``make_env`` appends the reward (the user's functions)."""
+
+    SYSTEM_PROMPT = None  # no system turn unless env.system_prompt gives one
+
+    def __init__(self, *, rows, prompt_key: str, tokenizer, repeats: int, num_envs: int, seed: int,
+                 shuffle: bool = True, system_prompt: str | None = None):
+        super().__init__(
+            dataset=rows, shuffle=shuffle, num_envs=num_envs, repeats=repeats, seed=seed, group_repeats=False,
+            tokenizer=tokenizer, collate_fn=functools.partial(collate_prompts, prompt_key=prompt_key),
+            input_mode="history", system_prompt=system_prompt,
+        )
+        self.append_transform(StepCounter(max_steps=1))
+
+    @staticmethod
+    def _dataloader_factory(dataset, name, split, seed, batch_size_dl, shuffle, collate_fn):
+        return StreamLoader(dataset, seed=seed, shuffle=shuffle, collate_fn=collate_fn)
+
+
 def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     """Every prompt a run will send must leave its reply room in ``inference_model.max_model_len``.
     ``splits``: the train and test splits, by name, as the task's ``load_split`` returned them.
@@ -76,16 +125,17 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     per split, 1.5 to 2 s of one CPU core for GSM8K's 7.5k train rows (TorchRL's 94-token system
     prompt is most of their tokens); the tokenizer spreads a batch over the cores it has.
     """
-    env_class, texts = {"gsm8k": (GSM8KTaskEnv, lambda rows: rows["question"]),  # a column: no per-row decode
-                        "ifeval": (IFEvalEnv, lambda rows: [row["prompt"] for row in rows])}[cfg.env.task]
-    system = env_class.SYSTEM_PROMPT if cfg.env.system_prompt is None else cfg.env.system_prompt
+    system = TASK_ENVS[cfg.env.task].SYSTEM_PROMPT if cfg.env.system_prompt is None else cfg.env.system_prompt
+    system_turn = [] if system is None else [{"role": "system", "content": system}]
+    column = prompt_column(cfg)
     template = wrapper_chat_template(tokenizer)
     im = cfg.inference_model
     for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
                               (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        prompts = texts(splits[split])
+        rows = splits[split]  # a datasets.Dataset (a column: no per-row decode) or a list of dicts
+        prompts = rows[column] if hasattr(rows, "column_names") else [row[column] for row in rows]
         counts = [len(ids) for ids in tokenizer.apply_chat_template(
-            [[{"role": "system", "content": system}, {"role": "user", "content": p}] for p in prompts],
+            [[*system_turn, {"role": "user", "content": p}] for p in prompts],
             chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False,
             tokenizer_kwargs={"verbose": False})]  # verbose: no "longer than the model's maximum" log line
         too_long = [i for i, count in enumerate(counts) if count + reply > im.max_model_len]
@@ -102,6 +152,7 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
 class IFEvalTask:
     """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.ifeval_checks)."""
 
+    SYSTEM_PROMPT, prompt_key = IFEvalEnv.SYSTEM_PROMPT, "prompt"
     load_split = staticmethod(load_ifeval_rows)  # validates every row's instruction ids and kwargs
 
     @staticmethod
@@ -112,6 +163,7 @@ class IFEvalTask:
 
 
 class GSM8KTask:
+    SYSTEM_PROMPT, prompt_key = GSM8KTaskEnv.SYSTEM_PROMPT, "question"
     load_split = staticmethod(load_gsm8k)
 
     @staticmethod
@@ -122,7 +174,20 @@ class GSM8KTask:
                             answer_extraction=cfg.reward.answer_extraction)
 
 
-TASK_ENVS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask}
+class GenericTask:
+    """Your own data: ``env.prompt_key`` is the user turn, the reward is ``reward.functions`` alone."""
+
+    SYSTEM_PROMPT = PromptsEnv.SYSTEM_PROMPT
+    load_split = staticmethod(load_prompt_rows)
+
+    @staticmethod
+    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
+        rows = load_prompt_rows(cfg.env.dataset, split, prompt_key=cfg.env.prompt_key, answer_key=cfg.env.answer_key)
+        return PromptsEnv(rows=rows, prompt_key=cfg.env.prompt_key, tokenizer=tokenizer, repeats=repeats,
+                          num_envs=num_envs, seed=cfg.seed, shuffle=shuffle, system_prompt=cfg.env.system_prompt)
+
+
+TASK_ENVS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask, "generic": GenericTask}
 
 # Per task, the env outputs averaged into eval rows (eval/<name>); the first is eval/accuracy's source.
 EVAL_FIELDS = {
@@ -130,18 +195,56 @@ EVAL_FIELDS = {
     "ifeval": {"accuracy": "success", "prompt_strict_acc": "prompt_level_strict_acc",
                "inst_strict_acc": "inst_level_strict_acc", "prompt_loose_acc": "prompt_level_loose_acc",
                "inst_loose_acc": "inst_level_loose_acc", "format_rate": "format_ok"},
+    "generic": {"accuracy": "success"},  # reward > reward.success_threshold
 }
 
 
+def prompt_column(cfg) -> str:
+    """The column holding each row's user turn."""
+    return cfg.env.prompt_key if cfg.env.task == "generic" else TASK_ENVS[cfg.env.task].prompt_key
+
+
+def load_splits(cfg) -> dict:
+    """The train and test splits, as the task reads and checks them, by name; the user's reward
+    functions are imported and their parameters checked against the columns. All of it at start:
+    a bad row or function would otherwise stop the run when first met."""
+    task = TASK_ENVS[cfg.env.task]
+    generic = task is GenericTask
+    columns = {"prompt_key": cfg.env.prompt_key, "answer_key": cfg.env.answer_key} if generic else {}
+    splits = {split: task.load_split(cfg.env.dataset, split, **columns)
+              for split in (cfg.env.train_split, cfg.env.test_split)}
+    functions = load_reward_functions(cfg.reward.functions)
+    for split, rows in splits.items():
+        names = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
+        offered = offered_arguments(names, cfg.env.answer_key if generic else None)
+        for function in functions:
+            function.check_arguments(offered, f"env.dataset={cfg.env.dataset!r} split {split!r}")
+    return splits
+
+
 def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle: bool = True):
-    """The task env named by ``env.task`` over one split of ``env.dataset``."""
-    return TASK_ENVS[cfg.env.task].build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs,
-                                         shuffle=shuffle)
+    """The task env named by ``env.task`` over one split of ``env.dataset``, with ``reward.functions``
+    scoring the replies to the rows it draws (its data primer's)."""
+    task = TASK_ENVS[cfg.env.task]
+    env = task.build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs, shuffle=shuffle)
+    if cfg.reward.functions:
+        generic = task is GenericTask
+        env.append_transform(UserRewards(
+            load_reward_functions(cfg.reward.functions), cfg.reward.weights, data_primer(env).dataloader.rows,
+            prompt_key=prompt_column(cfg), answer_key=cfg.env.answer_key if generic else None, split=split,
+            tokenizer=tokenizer, sole=generic, success_threshold=cfg.reward.success_threshold))
+    return env
 
 
 def make_collector(env, policy, dialog_turns_per_batch: int) -> LLMCollector:
     """TorchRL's LLM collector over ``env``: each batch holds ``dialog_turns_per_batch`` replies."""
-    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=dialog_turns_per_batch, total_dialog_turns=-1)
+    with warnings.catch_warnings():
+        # TorchRL 0.14 asks every nn.Module policy's env for an InitTracker and points to
+        # auto_register_policy_transforms, which LLMCollector does not accept; a one-turn chat env needs none
+        warnings.filterwarnings("ignore", message="The env passed to LLMCollector is missing transforms",
+                                category=FutureWarning)
+        collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=dialog_turns_per_batch,
+                                 total_dialog_turns=-1)
     # Each batch is already a fresh stack of cloned env outputs (LLMCollector._rollout_all), so the
     # iterator's second deep clone only costs time: about 0.2 s of a 2.7 s step on the tiny task.
     collector.return_same_td = True

@@ -35,6 +35,10 @@ class ResumeError(UserError, ValueError):
     """``resume=`` names nothing usable."""
 
 
+class ExportError(UserError, ValueError):
+    """``python -m grpo.export`` got a checkpoint it cannot read or an output folder it must not fill."""
+
+
 @contextlib.contextmanager
 def clear_errors():
     """User mistakes end the run with one line on stderr and exit status 2."""

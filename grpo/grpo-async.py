@@ -23,6 +23,7 @@ import time  # noqa: E402
 import ray  # noqa: E402
 
 from grpo.data import PromptLedger  # noqa: E402
+from grpo.dynamic_sampling import draw_step_batch  # noqa: E402
 from grpo.generation import inference_state_dict  # noqa: E402
 from grpo.ray_collectors import RolloutPool  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
@@ -44,14 +45,16 @@ def train(cfg) -> TrainingRun:
             run.evaluate_if_due(force=True)
             for step in run.steps():
                 t0 = time.perf_counter()
-                rollouts = pool.next_rollouts(run.policy_version)  # whole groups, at most max_policy_lag steps stale
+                rollouts, filtering = draw_step_batch(  # whole groups, at most max_policy_lag steps stale
+                    lambda: pool.next_rollouts(run.policy_version), cfg.train.dialog_turns_per_batch,
+                    dynamic=cfg.train.dynamic_sampling, max_extra_batches=cfg.train.max_extra_generation_batches)
                 metrics = run.train_on(rollouts)    # dense batch, reference and KL, advantages, clipped loss, optimiser
                 pool.commit()                       # its prompt batches now count as trained
                 if run.policy_version - pushed_at >= cfg.train.weight_update_frequency:
                     metrics["weight_sync_s"] = pool.push_weights(inference_state_dict(run.policy_model),
                                                                  version=run.policy_version)
                     pushed_at = run.policy_version
-                run.log_step(step, metrics | pool.step_metrics(), t0)
+                run.log_step(step, metrics | filtering | pool.step_metrics(), t0)
                 run.evaluate_if_due()
                 run.checkpoint_if_due()
     finally:

@@ -16,6 +16,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 import time  # noqa: E402
 
 from grpo.data import PromptLedger, serve_from  # noqa: E402
+from grpo.dynamic_sampling import draw_step_batch  # noqa: E402
 from grpo.envs import make_collector, make_env  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
 from grpo.setup import hydra_main  # noqa: E402
@@ -29,18 +30,26 @@ def train(cfg) -> TrainingRun:
     serve_from(env, collector, ledger.sequential_start())  # the collector then draws batch after batch
     run.checkpoint_extras = lambda: {"prompt_stream": ledger.state()}
     batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
+    batches, taken = iter(collector), []  # taken: the prompt batches this step's collections drew
+
+    def collect():  # one collection: G replies for each prompt, with sampler log-probs
+        taken.extend(ledger.take() for _ in range(batches_per_step))  # the batches the collector draws next
+        return next(batches).reshape(-1)
+
     with run.guard():
         run.evaluate_if_due(force=True)
-        batches = iter(collector)
         for step in run.steps():
             t0 = time.perf_counter()
-            taken = [ledger.take() for _ in range(batches_per_step)]  # the batches the collector draws next
-            rollouts = next(batches).reshape(-1)    # G replies for each prompt, with sampler log-probs
+            # one collection; with dynamic sampling, more until every group trained has distinct rewards
+            rollouts, filtering = draw_step_batch(collect, cfg.train.dialog_turns_per_batch,
+                                                  dynamic=cfg.train.dynamic_sampling,
+                                                  max_extra_batches=cfg.train.max_extra_generation_batches)
             t_gen = time.perf_counter() - t0
             metrics = run.train_on(rollouts)        # dense batch, reference and KL, advantages, clipped loss, optimiser
             ledger.consume(taken)
+            taken.clear()
             metrics["weight_sync_s"] = run.inference.push_weights(run.policy_model, run.policy_version)
-            run.log_step(step, metrics | {"generation_s": t_gen}, t0)
+            run.log_step(step, metrics | filtering | {"generation_s": t_gen}, t0)
             run.evaluate_if_due()
             run.checkpoint_if_due()
     collector.shutdown()

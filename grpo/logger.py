@@ -1,4 +1,5 @@
-"""Run outputs: ``metrics.jsonl`` (one JSON object per logged step), wandb, and plots.
+"""Run outputs: ``metrics.jsonl`` (one JSON object per logged step), ``samples.jsonl`` (replies
+to read, one JSON object each), wandb, and plots.
 
 Each row is written and flushed as soon as it is logged, so a killed run keeps every
 row up to its last step. wandb runs offline when no API key is configured;
@@ -13,8 +14,15 @@ import os
 import warnings
 from pathlib import Path
 
+import torch
+from tqdm import tqdm
+
+from grpo.batch import through_first_stop
+
 PLOTTED = ["reward", "eval/accuracy", "kl_to_ref", "loss_objective", "clip_fraction", "ess", "entropy",
            "response_length", "grad_norm"]
+SAMPLE_COLUMNS = ["step", "group", "row", "prompt", "reply", "reward"]
+CONSOLE_WIDTH = 110  # characters of a prompt or reply on the console; samples.jsonl keeps them whole
 
 
 class RunLogger:
@@ -23,6 +31,8 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
+        self._samples_file = None  # opened at the first samples: a run that logs none gets no file
+        self._samples_table = None
         self.wandb = None
         if cfg.logger == "wandb":
             self.wandb = _start_wandb(cfg, self.run_dir, resolved_config, wandb_run_id)
@@ -37,24 +47,98 @@ class RunLogger:
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Replies to read (``reply_samples``' rows): appended to ``samples.jsonl``, printed in short, and added
+        to the wandb table ``samples``."""
+        if self._samples_file is None:
+            self._samples_file = open(self.run_dir / "samples.jsonl", "a", buffering=1)
+        rows = [{"step": step, **sample} for sample in samples]
+        for row in rows:
+            self._samples_file.write(json.dumps(row) + "\n")
+        tqdm.write("\n".join(console_lines(step, rows)))
+        if self.wandb is not None:
+            import wandb
+
+            if self._samples_table is None:  # one table for the run; each log uploads only the new rows
+                self._samples_table = wandb.Table(columns=SAMPLE_COLUMNS, log_mode="INCREMENTAL")
+            for row in rows:
+                self._samples_table.add_data(*(row[c] for c in SAMPLE_COLUMNS))
+            self.wandb.log({"samples": self._samples_table}, step=step)
+
     def close(self, exit_code: int = 0) -> None:
         self._file.close()
+        if self._samples_file is not None:
+            self._samples_file.close()
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
             self.wandb = None
         plot_metrics(self.path, self.run_dir / "metrics.png")
 
 
+def reply_samples(rollouts, count: int, tokenizer, stop_ids: list[int]) -> list[dict]:
+    """Every reply to the batch's first ``count`` prompts, one row each: ``group`` (the prompt's place among
+    the batch's prompts), ``row`` (its data row), ``prompt`` (the user's message, as the chat history holds
+    it), ``reply`` (its tokens through the first stop token, as trained on, decoded without special tokens:
+    the engines' history texts differ there) and ``reward`` (the env's, before any KL term)."""
+    rows = rollouts.get("row_index").flatten().tolist()
+    rewards = rollouts.get(("next", "reward")).reshape(len(rows), -1)[:, -1].tolist()
+    history = rollouts.get(("history", "prompt"))
+    groups: dict[int, int] = {}  # data row -> its place among the batch's prompts
+    stops = torch.tensor(stop_ids)
+    samples = []
+    for i, (row, roles, texts) in enumerate(zip(rows, history.role, history.content)):
+        group = groups.setdefault(row, len(groups))
+        if group < count:
+            prompt = next(text for role, text in zip(reversed(roles), reversed(texts)) if role == "user")
+            reply = rollouts[i]["tokens", "response"]
+            reply = tokenizer.decode(reply[:through_first_stop(reply, stops)], skip_special_tokens=True)
+            samples.append({"group": group, "row": row, "prompt": prompt, "reply": reply, "reward": rewards[i]})
+    return samples
+
+
+def console_lines(step: int, rows: list[dict]) -> list[str]:
+    """Each prompt once, then its replies one line each, led by their rewards."""
+    lines = [f"step {step}: replies (all of them in samples.jsonl)"]
+    for group in dict.fromkeys(r["group"] for r in rows):
+        replies = [r for r in rows if r["group"] == group]
+        lines.append(f"  row {replies[0]['row']}: {_one_line(replies[0]['prompt'])}")
+        lines += [f"    {r['reward']:6.3f}  {_one_line(r['reply'])}" for r in replies]
+    return lines
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= CONSOLE_WIDTH else flat[:CONSOLE_WIDTH - 1] + "…"
+
+
+def wandb_naming(experiment_name: str, hydra_cfg) -> dict:
+    """wandb.init's name, group and notes: a sweep job (``--multirun``) is ``<experiment_name>-<job number>``
+    in the group of its sweep dir, its overrides in the notes; a single run is ``experiment_name``, in no group."""
+    from hydra.types import RunMode
+
+    if hydra_cfg.mode != RunMode.MULTIRUN:
+        return {"name": experiment_name}
+    # The overrides would make distinct names too, but with paths in them they pass the 128 characters wandb
+    # takes; for the group, the end of the sweep dir (its time) matters most.
+    return {"name": f"{experiment_name}-{hydra_cfg.job.num}", "notes": hydra_cfg.job.override_dirname,
+            "group": f"{experiment_name} {hydra_cfg.sweep.dir}"[-128:]}
+
+
 def _start_wandb(cfg, run_dir: Path, resolved_config: dict, run_id: str | None):
     import wandb
+    from hydra.core.hydra_config import HydraConfig
 
     mode = cfg.wandb.mode
     if mode == "auto":
         mode = "online" if (os.environ.get("WANDB_API_KEY") or _has_netrc_key()) else "offline"
+    # wandb advertises Weave whenever openai is imported (vLLM and others import it); no use to a GRPO run
+    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
+    naming = wandb_naming(cfg.logging.experiment_name, HydraConfig.get())
     return wandb.init(
-        project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.logging.experiment_name,
-        dir=str(run_dir), config=resolved_config, mode=mode, id=run_id, resume="allow" if run_id else None,
-        settings=wandb.Settings(console="off", x_disable_stats=True),
+        project=cfg.wandb.project, entity=cfg.wandb.entity, **naming, dir=str(run_dir), config=resolved_config,
+        mode=mode, id=run_id, resume="allow" if run_id else None,
+        # quiet: where the run is saved, but no history and summary dump at the end (metrics.jsonl has them)
+        settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
     )
 
 

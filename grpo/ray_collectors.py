@@ -173,6 +173,8 @@ class RolloutPool:
             try:
                 batch, version, stats = ray.get(ready[0])
             except ray.exceptions.RayError as err:  # the worker died (RayActorError) or raised (RayTaskError)
+                if isinstance(getattr(err, "cause", None), UserError):  # bad input (a reward function's return):
+                    raise err.cause from None                           # a restart would only fail the same way
                 self._replace(worker, index, err)
                 continue
             self._assign()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -17,11 +18,12 @@ from tqdm import tqdm
 from grpo import checkpoint as ckpt
 from grpo.config import validate_config, warn_if_too_few_rows
 from grpo.devices import allocate_devices
-from grpo.envs import EVAL_FIELDS, TASK_ENVS, check_prompt_lengths, make_env
-from grpo.errors import ConfigError
+from grpo.envs import EVAL_FIELDS, check_prompt_lengths, load_splits, make_env
+from grpo.errors import ConfigError, UserError
 from grpo.evaluation import evaluate
+from grpo.export import export_model
 from grpo.inference import make_inference
-from grpo.logger import RunLogger, profile_to
+from grpo.logger import RunLogger, profile_to, read_metrics, reply_samples
 from grpo.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
                          stop_token_ids)
 from grpo.setup import REPO_ROOT, StopFlag, StopRequested, resolve_local_paths, resolved_config, seed_everything
@@ -35,9 +37,7 @@ class TrainingRun:
     def __init__(self, cfg, *, inference_engines: int, dedicated_inference: bool):
         resolve_local_paths(cfg)
         validate_config(cfg)
-        task = TASK_ENVS[cfg.env.task]
-        splits = {split: task.load_split(cfg.env.dataset, split)  # bad data stops here
-                  for split in (cfg.env.train_split, cfg.env.test_split)}
+        splits = load_splits(cfg)  # bad data, and reward functions that cannot take its rows, stop here
         warn_if_too_few_rows(cfg, len(splits[cfg.env.train_split]))
         self.num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
         self.cfg = cfg
@@ -46,19 +46,27 @@ class TrainingRun:
         seed_everything(cfg.seed)
         self.stop_flag = StopFlag()
         self.run_dir, self.resume_payload = HydraConfig.get().runtime.output_dir, None
+        # train.total_steps=0 evaluates model.name or resume='s checkpoint in a run dir of its own, and trains nothing
+        self.eval_only = cfg.train.total_steps == 0
         if cfg.resume:
             ckpt_path, self.resume_payload = ckpt.find_checkpoint(
                 str(cfg.resume), experiment_name=cfg.logging.experiment_name,
+                overrides=list(HydraConfig.get().overrides.task),
                 search_roots=[REPO_ROOT / "outputs", REPO_ROOT / "multirun"])
             ckpt.check_resumable(ckpt_path, self.resume_payload, cfg)
+        if cfg.resume and not self.eval_only:
             # continue in the original run dir: its metrics, checkpoints and wandb run
             self.run_dir = str(ckpt_path.parent.parent)
-            ckpt.truncate_metrics(Path(self.run_dir) / "metrics.jsonl", self.resume_payload["step"])
+            for rows in ("metrics.jsonl", "samples.jsonl"):
+                ckpt.truncate_metrics(Path(self.run_dir) / rows, self.resume_payload["step"])
             print(f"resuming from {ckpt_path} (step {self.resume_payload['step']}) into {self.run_dir}", flush=True)
         elif (Path(self.run_dir) / "metrics.jsonl").exists():
             raise ConfigError(f"hydra.run.dir={self.run_dir} already holds a run (its metrics.jsonl and checkpoints "
                               f"would be mixed with this one's); pass resume={self.run_dir} to continue it, or another "
                               "hydra.run.dir.")
+        if self.eval_only:
+            print(f"train.total_steps=0: evaluating {ckpt_path if cfg.resume else cfg.model.name} only, into "
+                  f"{self.run_dir}", flush=True)
         self.resolved_config = resolved_config(cfg) | {"device_allocation": self.devices.as_dict()}
 
         configure_attention_kernels(cfg)
@@ -87,21 +95,23 @@ class TrainingRun:
         self._postfix: dict = {}
         payload = self.resume_payload
         self.logger = RunLogger(self.run_dir, cfg, self.resolved_config,
-                                wandb_run_id=payload.get("wandb_run_id") if payload else None)
-        self.logger.log({"step": payload["step"] if payload else 0, "event": "resume" if payload else "start",
+                                wandb_run_id=payload.get("wandb_run_id") if payload and not self.eval_only else None)
+        event = "eval_only" if self.eval_only else "resume" if payload else "start"
+        self.logger.log({"step": payload["step"] if payload else 0, "event": event,
                          **{f"devices/{k}": str(v) for k, v in self.devices.as_dict().items()}})
         if payload:
             ckpt.restore_training_state(payload, model=self.policy_model, optimizer=self.optimizer,
                                         scheduler=self.scheduler)  # RNG states last of all
             counters = payload["counters"]
             self.step, self.policy_version = counters["step"], counters["policy_version"]
-            self.last_eval_step = counters["last_eval_step"]
+            self.last_eval_step = None if self.eval_only else counters["last_eval_step"]  # eval only: evaluate it here
             self.inference.push_weights(self.policy_model, self.policy_version)
         # What a crash may keep: the last step whose update finished, its RNG states, never half-updated weights
         self.completed_step, self.completed_rng = self.step, None
         self.half_updated = False  # an optimiser step ran in a GRPO step whose update has not finished
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
         self.last_checkpoint = (self.step, ckpt_path) if payload else None
+        self.export_dir = None  # written when the run finishes
 
     def steps(self):
         bar = tqdm(range(self.step + 1, self.cfg.train.total_steps + 1), desc="GRPO", unit="step",
@@ -115,6 +125,10 @@ class TrainingRun:
 
     def train_on(self, rollouts) -> dict:
         """One GRPO step (grpo.step) on a batch of whole groups; returns its metrics."""
+        every = self.cfg.logging.samples_every
+        if every and self.step % every == 0:  # before the update: a step that fails still shows what it trained on
+            self.logger.log_samples(self.step, reply_samples(rollouts, self.cfg.logging.samples_count, self.tokenizer,
+                                                             self.stop_ids))
         metrics = self.grpo_step(rollouts)
         self.policy_version += metrics["optim_steps"]
         self.completed_step, self.completed_rng, self.half_updated = self.step, ckpt.rng_state(), False
@@ -162,18 +176,22 @@ class TrainingRun:
 
     @contextlib.contextmanager
     def guard(self):
-        """On success: final eval and checkpoint. On SIGTERM/Ctrl-C: checkpoint, then exit non-zero. On any
-        other exception: an emergency checkpoint of the last finished step if the weights are whole, then
-        the exception goes on."""
-        exit_code = 1
+        """On success: final eval, checkpoint and export (eval only: the eval alone). On SIGTERM/Ctrl-C:
+        checkpoint, then exit non-zero. Either way the run ends with its summary. On any other exception:
+        an emergency checkpoint of the last finished step if the weights are whole, then the exception goes on."""
+        exit_code, ended = 1, None
         try:
             yield
             self.evaluate_if_due()
-            self.checkpoint_if_due(force=True)
-            exit_code = 0
+            if not self.eval_only:
+                self.checkpoint_if_due(force=True)
+                if self.cfg.logging.export:
+                    self.export()
+            exit_code, ended = 0, "evaluated (train.total_steps=0)" if self.eval_only else "finished"
         except StopRequested as stop:
             tqdm.write(f"stopping after step {self.step}: {stop}; writing a checkpoint")
             self.checkpoint_if_due(force=True)
+            ended = f"stopped after step {self.step} ({stop})"
             raise SystemExit(stop.exit_code)
         except Exception as err:
             failed = f"step {self.step} failed ({type(err).__name__})"
@@ -184,7 +202,9 @@ class TrainingRun:
             elif not all(p.isfinite().all() for group in self.optimizer.param_groups for p in group["params"]):
                 note = f"{failed} with non-finite weights: no emergency checkpoint; {last}"
             elif self.completed_rng is None or saved == self.completed_step:
-                note = f"{failed}; no step finished since the start or the last checkpoint; {last}"
+                # a bad input's own one line says it all when there is nothing to save
+                note = None if isinstance(err, UserError) else \
+                    f"{failed}; no step finished since the start or the last checkpoint; {last}"
             else:
                 self.step = self.completed_step  # what the checkpoint describes: counters, RNG and extras of that step
                 try:
@@ -193,11 +213,44 @@ class TrainingRun:
                             f"(resume={self.run_dir} continues from it)")
                 except Exception as save_err:  # the original error matters more: report this one, raise that one
                     note = f"{failed}; so did its emergency checkpoint ({type(save_err).__name__}: {save_err}); {last}"
-            tqdm.write(note, file=sys.stderr)
+            if note:
+                tqdm.write(note, file=sys.stderr)
             raise
         finally:
             self.inference.shutdown()
-            self.logger.close(exit_code)
+            self.logger.close(exit_code)  # writes metrics.png
+            if ended:
+                print(self.summary(ended), flush=True)
+
+    def export(self) -> None:
+        """``<run dir>/export``: the policy as a Hugging Face folder (a resumed run's replaces the earlier one)."""
+        export_dir = Path(self.run_dir) / "export"
+        shutil.rmtree(export_dir, ignore_errors=True)
+        self.export_dir = export_model(self.policy_model, self.tokenizer, export_dir)
+        tqdm.write(f"step {self.step}: exported the policy to {export_dir}")
+
+    def summary(self, ended: str) -> str:
+        """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""
+        run_dir = Path(self.run_dir)
+        evals = [(row["step"], row["eval/accuracy"]) for row in read_metrics(run_dir / "metrics.jsonl")
+                 if "eval/accuracy" in row]
+        if evals:
+            marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
+            accuracy = " -> ".join(f"{mark} {acc:.3f} (step {step})" for mark, (step, acc) in marks.items())
+        else:
+            accuracy = "no eval ran"
+        plot = run_dir / "metrics.png"
+        path = self.last_checkpoint[1] if self.last_checkpoint else None  # eval only: the one evaluated, if any
+        checkpoint = f"{path} (resume={path.parent.parent} continues from it)" if path else "none"
+        export = (f"{self.export_dir} (transformers' from_pretrained and vllm serve load it)" if self.export_dir
+                  else f"none (python -m grpo.export {path} <out> writes one)" if path else "none")
+        return "\n".join([
+            f"run {ended}: {run_dir}",
+            f"  eval accuracy  {accuracy}",
+            f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
+            f"  checkpoint     {checkpoint}",
+            f"  export         {export}",
+        ])
 
 
 def make_optimizer(cfg, model) -> torch.optim.Optimizer:

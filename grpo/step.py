@@ -2,8 +2,10 @@
 
     batch      = to_training_batch(rollouts)              dense [S, P+R], sampler log-probs kept
     ref_lp     = log pi_ref(reply)                         reference scoring, no grad
+    reward    -= overlong penalty                          DAPO's soft penalty over the last reward.overlong_buffer tokens
     kl_ref     = k3(sampler || ref) per reply              logged; subtracted from the reward or a loss term
     advantage  = (r - mean_group) / std_group              replies to one prompt form a group (dr_grpo: no / std)
+    reply_mask = stopped replies only                      train.overlong_filter: replies cut at the cap not trained
     for epoch, minibatch (accumulated micro-batches):
         ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, truncated IS);
                                                            per token (gspo: per reply, geometric mean)
@@ -41,6 +43,9 @@ class GRPOSettings:
     clip_epsilon_high: float
     kl_to_ref_coeff: float
     kl_to_ref_in_reward: bool         # subtract coeff * KL from the reward instead of adding a loss term
+    overlong_filter: bool             # replies cut at max_new_tokens stay out of the loss
+    overlong_buffer: int              # DAPO soft penalty over the last this many tokens before max_new_tokens
+    overlong_penalty: float           # the penalty at max_new_tokens
     kl_to_inference_coeff: float      # 0.0 still measures the sampler/trainer mismatch
     entropy_coeff: float
     aggregation: str                  # token_mean or prompt_mean
@@ -61,6 +66,8 @@ class GRPOSettings:
         return cls(
             clip_epsilon_low=t.clip_epsilon_low, clip_epsilon_high=t.clip_epsilon_high,
             kl_to_ref_coeff=t.kl_to_ref_coeff, kl_to_ref_in_reward=not t.kl_coef_in_loss,
+            overlong_filter=t.overlong_filter, overlong_buffer=cfg.reward.overlong_buffer,
+            overlong_penalty=cfg.reward.overlong_penalty,
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
             loss_variant=t.loss_variant, max_new_tokens=cfg.inference_model.max_new_tokens,
             inference_is_cap=t.inference_is_cap, epochs=t.epochs,
@@ -91,6 +98,11 @@ class GRPOStep:
         t0 = time.perf_counter()
         batch = to_training_batch(rollouts, self.pad_token_id, self.stop_token_ids)
         metrics = rollout_metrics(rollouts, batch)
+        if self.s.overlong_buffer:
+            penalty = overlong_penalty(batch["reply_length"], self.s.max_new_tokens, self.s.overlong_buffer,
+                                       self.s.overlong_penalty)
+            batch["reward"] = batch["reward"] - penalty
+            metrics["overlong_penalty_mean"] = penalty.mean().item()
         if self.ref_model is not None:
             batch["ref_log_probs"] = score_replies(batch, self.ref_model, self.s.micro_batch_size)
             kl = per_sample_kl_to_ref(batch)
@@ -104,6 +116,8 @@ class GRPOStep:
         batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch),
                                               scale_by_std=self.s.loss_variant != "dr_grpo")
         metrics |= {"advantage_std": batch["advantage"].std().item(), "advantage_mean": batch["advantage"].mean().item()}
+        if self.s.overlong_filter:  # after the advantages: a cut reply still counts in its group's baseline
+            batch["reply_mask"] = batch["reply_mask"] & batch["reply_stopped"][:, None]
         return batch, metrics | {"reference_s": time.perf_counter() - t0}
 
     def optimize(self, batch: TensorDict) -> dict:
@@ -221,6 +235,13 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> 
     if aggregation == "prompt_mean":
         return (per_token.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
     return per_token.sum() / mask.sum().clamp_min(1)
+
+
+def overlong_penalty(reply_length: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to ``max_new_tokens - buffer`` tokens, then rising
+    linearly to ``penalty`` at ``max_new_tokens``."""
+    over = (reply_length.float() - (max_new_tokens - buffer)).clamp(0, buffer)
+    return penalty * over / buffer
 
 
 def k3(other: torch.Tensor, cur: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

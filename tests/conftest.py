@@ -1,5 +1,11 @@
+import contextlib
+import importlib.util
+import io
 import os
+import signal
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 # Tests never reach the Hugging Face hub: everything runs on what the project ships or builds.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,6 +70,38 @@ def compose_in_run_dir(run_dir, overrides, config_name: str = "grpo_tiny"):
     with open_dict(cfg):
         del cfg["hydra"]
     return cfg
+
+
+@contextlib.contextmanager
+def sync_script():
+    """grpo/grpo.py loaded in this process; what it does to sys.path and the signal handlers is undone after."""
+    path, handlers = list(sys.path), {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    spec = importlib.util.spec_from_file_location("grpo_sync_script", REPO / "grpo" / "grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path[:] = path
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+# A short run of the tiny task, small enough to train in seconds
+SHORT_RUN = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=16", "eval.batch_size=16",
+             "eval.frequency=0", "env.num_envs=16", "env.repeats=4", "train.dialog_turns_per_batch=16",
+             "train.optim_batch_size=8", "inference_model.max_new_tokens=16", "logging.progress_bar=false"]
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory):
+    """A finished 2-step run of grpo/grpo.py on the tiny task, trained in this process: its ``TrainingRun``
+    (the trained policy still in memory), its run dir and what it printed. Tests must leave it as it is."""
+    run_dir = tmp_path_factory.mktemp("finished_tiny_run")
+    printed = io.StringIO()
+    with sync_script() as script, contextlib.redirect_stdout(printed):
+        run = script.train(compose_in_run_dir(run_dir, [*SHORT_RUN, "train.total_steps=2"]))
+    return SimpleNamespace(run=run, run_dir=run_dir, stdout=printed.getvalue())
 
 
 def reply_log_probs(model, batch) -> torch.Tensor:

@@ -91,6 +91,21 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
                                                           "pending": list(range(consumed, consumed + 4))}
 
 
+def test_dynamic_sampling_trains_full_steps_and_consumes_every_batch_it_draws(tmp_path):
+    """Extra batches a step draws count as consumed like its first, so a resume skips them all."""
+    proc = run_async(tmp_path, *EXACT, "train.total_steps=4", "train.dynamic_sampling=true",
+                     "train.max_extra_generation_batches=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = step_rows(tmp_path)
+    assert all(len(r["prompt_indices"]) == 16 // 4 for r in rows)  # full steps: 4 groups of 4
+    trained = [i for r in rows for i in r["prompt_indices"]]
+    assert len(trained) == len(set(trained))
+    drawn = sum(1 + r["extra_generation_batches"] for r in rows)
+    assert drawn > len(rows), "the test needs steps that drew extra batches"
+    state = last_checkpoint(tmp_path)["prompt_stream"]
+    assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(drawn))
+
+
 @pytest.mark.parametrize("value", ["-1", "1.5", "true"])
 def test_max_worker_restarts_is_a_count(value):
     with pytest.raises(ConfigError, match=rf"train.max_worker_restarts={value.title() if value == 'true' else value} "

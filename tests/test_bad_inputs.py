@@ -13,11 +13,13 @@ from fnmatch import fnmatch
 
 import pytest
 import torch
+from torchrl.data.llm import History
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose, compose_in_run_dir
 from grpo.config import validate_config, warn_if_too_few_rows
-from grpo.envs import TASK_ENVS, check_prompt_lengths, make_env
-from grpo.errors import ConfigError, DataError, ModelLoadError, ResumeError, UserError, clear_errors
+from grpo.envs import TASK_ENVS, check_prompt_lengths, load_splits, make_env
+from grpo.errors import ConfigError, DataError, ExportError, ModelLoadError, ResumeError, UserError, clear_errors
+from grpo.export import export_checkpoint
 from grpo.decoding import ReplySampler
 from grpo.inference import make_inference, make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer
@@ -166,6 +168,62 @@ def resume_a_flat_folder(ctx):
         assert (ctx.tmp / "metrics.jsonl").read_text() == '{"step": 7, "reward": 1.0}\n'
 
 
+REWARDS = """import math
+def score(reply, answer): return float(answer.endswith(reply))
+def needs_gold(reply, gold): return 0.0
+def no_reply(prompt): return 0.0
+def nan(reply): return math.nan
+def text(reply): return "good"
+def batch(reply): return [1.0]
+batch.batched = True
+"""
+
+
+def generic_task(*overrides):
+    """``env.task=generic`` over GOOD (question, answer) with reward functions from {tmp}/rewards.py, loaded
+    as ``TrainingRun`` loads it: the config checked, the splits read, the functions imported and checked."""
+    def load(ctx):
+        (ctx.tmp / "rewards.py").write_text(REWARDS)
+        cfg = compose("grpo_tiny", [f"model.name={TINY_MODEL}", "env.task=generic", "env.prompt_key=question",
+                                    f"env.dataset={gsm8k_folder(ctx.tmp, GOOD)}",
+                                    *[o.format(tmp=ctx.tmp) for o in overrides]])
+        validate_config(cfg)
+        load_splits(cfg)
+        return cfg
+    return load
+
+
+def first_reply_scored(function):
+    """Past the start checks: the env scores its first two replies with ``function``."""
+    def score(ctx):
+        cfg = generic_task(f"reward.functions=[{{tmp}}/rewards.py:{function}]")(ctx)
+        tokenizer = load_tokenizer(cfg.model.name)
+        env = make_env(cfg, tokenizer, split="train", repeats=1, num_envs=2, shuffle=False)
+        td = env.reset()
+        reply = History(role=["assistant"] * 2, content=["2"] * 2, batch_size=(2,)).unsqueeze(-1)
+        td["history", "full"] = td["history", "prompt"].extend(reply, inplace=False, dim=-1)
+        env.step(td)
+    return score
+
+
+def export_from(target, out="out"):
+    """``python -m grpo.export <target> <out>`` as its main() runs it, among: run/ (a checkpoint, an old pickle),
+    damaged/ (a checkpoint with a flipped byte), used/ (a folder holding a file); paths under the case's tmp."""
+    def export(ctx):
+        copy_checkpoint_files(ctx.made_run, ctx.tmp / "run" / "checkpoints")
+        (ctx.tmp / "used").mkdir()
+        (ctx.tmp / "used" / "config.json").write_text("{}")
+        (ctx.tmp / "run" / "old.pt").write_bytes(b"pickle")
+        damaged = ctx.tmp / "damaged" / "checkpoints"
+        copy_checkpoint_files(ctx.made_run, damaged)
+        tensors = next(damaged.glob("*.safetensors"))
+        data = bytearray(tensors.read_bytes())
+        data[-1] ^= 1
+        tensors.write_bytes(bytes(data))
+        export_checkpoint(ctx.tmp / target, ctx.tmp / out)
+    return export
+
+
 def case(id, action, expected, *words, absent=()):
     return pytest.param(action, expected, words, absent, id=id)
 
@@ -192,6 +250,9 @@ CASES = [
          "train.kl_to_ref_coeff=-0.1", ">= 0", "0 turns the term off"),
     case("schedule-linear", config("optimizer.schedule=linear"), ConfigError,
          "optimizer.schedule='linear'", "constant or cosine"),
+    case("samples_every-negative", config("logging.samples_every=-1"), ConfigError, "logging.samples_every=-1",
+         ">= 0", "0 = never"),
+    case("samples_count-zero", config("logging.samples_count=0"), ConfigError, "logging.samples_count=0", ">= 1"),
     case("vllm-not-installed", vllm_not_installed, ConfigError, "vllm", "pip install",
          "inference_model.backend=transformers"),
     # data rows: each task's load_split, as TrainingRun calls it
@@ -233,6 +294,47 @@ CASES = [
     case("resume-empty-folder", resume_an_empty_folder, ResumeError, "resume=", "no readable", "give a run dir"),
     case("resume-flat-folder", resume_a_flat_folder, ResumeError, "resume", "is not in a run dir",
          "give the run dir it came from"),
+    # your own task (env.task=generic) and reward functions: the config, the splits, the functions' first call
+    case("generic-without-reward-functions", config("env.task=generic"), ConfigError, "env.task=generic",
+         "reward.functions is empty", "reward.functions=[my_pkg.rewards:score]"),
+    case("reward-function-without-colon", config("reward.functions=[my_rewards]"), ConfigError,
+         "reward.functions[0]='my_rewards'", "module.path:function or path/to/file.py:function"),
+    case("reward-weights-mismatch", config("reward.functions=[a:b,c:d]", "reward.weights=[1.0]"), ConfigError,
+         "reward.weights has 1 entries for 2 reward.functions", "one weight per function"),
+    case("generic-prompt-column-missing", generic_task("env.prompt_key=prompt", "reward.functions=[a:b]"), DataError,
+         "env.prompt_key='prompt'", "has no column 'prompt'", "its columns are ['question', 'answer']"),
+    case("generic-answer-column-missing", generic_task("env.answer_key=gold", "reward.functions=[a:b]"), DataError,
+         "env.answer_key='gold'", "has no column 'gold'", "its columns are ['question', 'answer']"),
+    case("reward-module-missing", generic_task("reward.functions=[no_such_module.rewards:score]"), ConfigError,
+         "reward.functions[0]='no_such_module.rewards:score'", "no module 'no_such_module'", "PYTHONPATH"),
+    case("reward-file-missing", generic_task("reward.functions=[{tmp}/nope.py:score]"), ConfigError,
+         "reward.functions[0]=", "no file", "nope.py", "give the path of a .py file"),
+    case("reward-function-missing", generic_task("reward.functions=[{tmp}/rewards.py:scor]"), ConfigError,
+         "reward.functions[0]=", "defines no 'scor'", "score", "fix the name after the colon"),
+    case("reward-function-unknown-parameter", generic_task("reward.functions=[{tmp}/rewards.py:needs_gold]"),
+         ConfigError, "needs_gold(reply, gold)", "needs ['gold']", "prompt, reply, question, answer",
+         "give it a default, or take **row"),
+    case("reward-function-never-sees-reply", generic_task("reward.functions=[{tmp}/rewards.py:no_reply]"),
+         ConfigError, "no_reply(prompt)", "never sees the reply", "def no_reply(prompt, reply, **row)"),
+    case("reward-function-returns-nan", first_reply_scored("nan"), ConfigError, "rewards.py:nan", "returned nan",
+         "row 0", "return a finite number"),
+    case("reward-function-returns-text", first_reply_scored("text"), ConfigError, "rewards.py:text",
+         "returned 'good' (str)", "must return a number"),
+    case("reward-function-batched-wrong-length", first_reply_scored("batch"), ConfigError, "rewards.py:batch",
+         "is batched and returned 1 values for a batch of 2 replies", "one number per reply"),
+    # exports: python -m grpo.export <checkpoint> <out>
+    case("export-missing-checkpoint", export_from("run/checkpoints/step_00000009.json"), ExportError,
+         "step_00000009.json does not exist", "give a run dir or one of its checkpoints/step_*.json"),
+    case("export-a-pickle", export_from("run/old.pt"), ExportError, "old.pt is not a checkpoint", "never loaded"),
+    case("export-damaged-checkpoint", export_from("damaged/checkpoints/step_00000000.json"), ExportError,
+         "is unreadable", "does not match its sha256", "export another checkpoint"),
+    case("export-run-without-checkpoints", export_from("used"), ExportError, "holds no readable step_*.json",
+         "give a run dir"),
+    case("export-into-a-used-folder", export_from("run", out="used"), ExportError, "used is not an empty folder",
+         "give a new or empty folder"),
+    case("total_steps-negative", config("train.total_steps=-1"), ConfigError, "train.total_steps=-1", ">= 0",
+         "0 = evaluate only"),
+    case("export-not-a-bool", config("logging.export=maybe"), ConfigError, "logging.export='maybe'", "true or false"),
 ]
 
 

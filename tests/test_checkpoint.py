@@ -73,6 +73,20 @@ def test_half_then_resume_equals_straight_run(straight, tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path):
+    """A step may draw several collections; the resumed run must start after the last one drawn."""
+    dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", "train.total_steps=4"]
+    run(tmp_path / "straight", *dynamic)
+    run(tmp_path / "half", *dynamic[:-1], "train.total_steps=2")
+    run(tmp_path / "again", *dynamic, f"resume={tmp_path / 'half'}")
+    a, b = step_rows(tmp_path / "straight"), step_rows(tmp_path / "half")
+    assert sorted(b) == [1, 2, 3, 4]
+    assert sum(a[step]["extra_generation_batches"] for step in (1, 2)) > 0, "the test needs extra draws before the resume"
+    for step in range(1, 5):
+        for key in EXACT_KEYS + ["extra_generation_batches", "filtered_groups"]:
+            assert a[step][key] == b[step][key], (step, key)
+
+
 def test_sigkill_then_resume_has_no_gap_or_duplicate(straight, tmp_path):
     proc = subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=4", "train.checkpoint_frequency=1"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -303,6 +317,40 @@ def test_a_crafted_pickle_is_never_loaded(tmp_path):
     assert not marker.exists()
     torch.load(crafted, weights_only=False)  # the old loader: the payload is live
     assert marker.exists()
+
+
+def _planted_run(run_dir, experiment_name, overrides, step):
+    """A run dir as Hydra and a run leave it: the config and overrides Hydra records, a checkpoint."""
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "config.yaml").write_text(f"logging:\n  experiment_name: {experiment_name}\n")
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    return _save(run_dir / "checkpoints", step)
+
+
+def test_resume_auto_picks_the_run_with_the_same_overrides(tmp_path):
+    """A sweep's jobs share an experiment_name: resume=auto used to take the latest checkpoint of any of them."""
+    sweep = tmp_path / "multirun" / "2099-01-01" / "00-00-00"
+    job0 = _planted_run(sweep / "0", "grpo-tiny", ["optimizer.lr=1e-4", "train.total_steps=4"], step=2)
+    job1 = _planted_run(sweep / "1", "grpo-tiny", ["optimizer.lr=3e-4", "train.total_steps=4"], step=3)
+    single = _planted_run(tmp_path / "outputs" / "2099-01-02" / "00-00-00", "grpo-tiny", [], step=5)
+    other = _planted_run(tmp_path / "outputs" / "2099-01-03" / "00-00-00", "grpo-other", ["optimizer.lr=1e-4",
+                                                                                           "train.total_steps=4"], step=6)
+    now = time.time()
+    for i, path in enumerate((job0, job1, single, other)):  # newest last: the single run is grpo-tiny's latest
+        os.utime(path, (now + i, now + i))
+    roots = [tmp_path / "outputs", tmp_path / "multirun"]
+
+    def auto(overrides, name="grpo-tiny"):
+        return find_checkpoint("auto", experiment_name=name, overrides=overrides, search_roots=roots)[0]
+
+    # the same job of a new sweep (its job number may differ), the order of overrides and resume= aside
+    assert auto(["train.total_steps=4", "optimizer.lr=3e-4", "resume=auto"]) == job1
+    assert auto(["resume=auto", "optimizer.lr=1e-4", "train.total_steps=4"]) == job0
+    assert auto(["resume=auto"]) == single
+    assert auto(["optimizer.lr=1e-4", "train.total_steps=4"], name="grpo-other") == other
+    with pytest.raises(ResumeError, match=r"resume=auto: no run of logging.experiment_name='grpo-tiny' with the "
+                                          r"overrides \['optimizer.lr=1e-3'\]"):
+        auto(["optimizer.lr=1e-3", "resume=auto"])
 
 
 def test_resume_truncation_drops_later_rows_and_a_torn_last_line(tmp_path):

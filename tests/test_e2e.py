@@ -89,9 +89,16 @@ def test_tiny_run_with_vllm_learns(tmp_path):
     assert all(r["weight_sync_s"] > 0 for r in steps)
 
 
-@pytest.mark.parametrize("variant", ["dr_grpo", "gspo"])
-def test_each_loss_variant_trains_the_tiny_task(variant, tmp_path):
-    _, steps, _ = grpo(tmp_path, *FAST, f"train.loss_variant={variant}", "train.total_steps=3", "eval.frequency=0",
-                       "eval.num_problems=16")
+VARIANTS = {"dr_grpo": ["train.loss_variant=dr_grpo"], "gspo": ["train.loss_variant=gspo"],
+            "dapo": ["train.dynamic_sampling=true", "train.overlong_filter=true", "reward.overlong_buffer=8"]}
+
+
+@pytest.mark.parametrize("config", ["grpo_tiny", "grpo_ifeval_tiny"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_variant_trains_both_tiny_tasks(config, variant, tmp_path):
+    _, steps, _ = grpo(tmp_path, "logging.progress_bar=false", *VARIANTS[variant], "train.total_steps=3",
+                       "eval.frequency=0", "eval.num_problems=16", config=config)
     assert len(steps) == 3 and all(math.isfinite(r["loss_objective"]) and r["grad_norm"] > 0 for r in steps)
+    if variant == "dapo":  # however many collections a step drew, it trains 8 whole groups (64 / 8, 32 / 4)
+        assert all(len(r["prompt_indices"]) == 8 and "filtered_groups" in r for r in steps)
 

@@ -1,9 +1,17 @@
 """grpo/run.py: the state both scripts share, driven as the async script drives it."""
 
-import pytest
+import hashlib
+import os
+import signal
 
-from conftest import compose_in_run_dir
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SHORT_RUN, compose_in_run_dir, sync_script
+from grpo.checkpoint import load_checkpoint
 from grpo.envs import make_collector, make_env
+from grpo.logger import read_metrics
 from grpo.run import TrainingRun
 
 
@@ -33,3 +41,92 @@ def test_policy_version_counts_optimiser_steps_and_eval_sees_them(async_run):
     assert run.inference.version == 0
     run.evaluate_if_due(force=True)
     assert run.inference.version == run.policy_version == 2
+
+
+def files_and_hashes(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_a_finished_run_ends_with_its_summary(finished_tiny_run):
+    run_dir = finished_tiny_run.run_dir
+    (step0, first), (step2, last) = [(r["step"], r["eval/accuracy"]) for r in read_metrics(run_dir / "metrics.jsonl")
+                                     if "eval/accuracy" in r]
+    best = f"{last:.3f} (step 2)" if last > first else f"{first:.3f} (step 0)"
+    checkpoint = run_dir / "checkpoints" / "step_00000002.json"
+    assert (step0, step2) == (0, 2)
+    assert finished_tiny_run.stdout.endswith("\n".join([
+        f"run finished: {run_dir}",
+        f"  eval accuracy  first {first:.3f} (step 0) -> best {best} -> last {last:.3f} (step 2)",
+        f"  metrics        {run_dir / 'metrics.jsonl'}, {run_dir / 'metrics.png'}",
+        f"  checkpoint     {checkpoint} (resume={run_dir} continues from it)",
+        f"  export         {run_dir / 'export'} (transformers' from_pretrained and vllm serve load it)",
+    ]) + "\n"), finished_tiny_run.stdout[-2000:]
+    assert (run_dir / "metrics.png").is_file() and checkpoint.is_file() and (run_dir / "export" / "config.json").is_file()
+
+
+def test_a_stopped_run_ends_with_its_summary(tmp_path, capsys):
+    """SIGTERM after the first batch: the step finishes, a checkpoint is written, the summary says where."""
+    with sync_script() as script:
+        make_collector = script.make_collector
+
+        def terminated_after_one_batch(env, policy, frames):
+            collector = make_collector(env, policy, frames)
+            batches = type(collector).__iter__
+
+            def batches_then_sigterm(self):
+                for rollouts in batches(self):
+                    os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler preempting the job would
+                    yield rollouts
+
+            collector.__class__ = type("Preempted", (type(collector),), {"__iter__": batches_then_sigterm})
+            return collector
+
+        script.make_collector = terminated_after_one_batch
+        with pytest.raises(SystemExit) as stopped:
+            script.train(compose_in_run_dir(tmp_path, [*SHORT_RUN, "train.total_steps=5"]))
+    assert stopped.value.code == 128 + signal.SIGTERM
+    checkpoint = tmp_path / "checkpoints" / "step_00000001.json"
+    accuracy = [r["eval/accuracy"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/accuracy" in r]
+    assert capsys.readouterr().out.endswith("\n".join([
+        f"run stopped after step 1 (received SIGTERM): {tmp_path}",
+        f"  eval accuracy  first {accuracy[0]:.3f} (step 0) -> best {accuracy[0]:.3f} (step 0) -> last "
+        f"{accuracy[0]:.3f} (step 0)",
+        f"  metrics        {tmp_path / 'metrics.jsonl'}, {tmp_path / 'metrics.png'}",
+        f"  checkpoint     {checkpoint} (resume={tmp_path} continues from it)",
+        f"  export         none (python -m grpo.export {checkpoint} <out> writes one)",
+    ]) + "\n")
+    assert len(accuracy) == 1 and checkpoint.is_file() and not (tmp_path / "export").exists()
+
+
+def test_total_steps_0_evaluates_a_checkpoint_and_writes_nothing_else(finished_tiny_run, tmp_path):
+    trained_dir = finished_tiny_run.run_dir
+    before = {name: files_and_hashes(trained_dir / name) for name in ("checkpoints", "export")}
+    trained_metrics = (trained_dir / "metrics.jsonl").read_text()
+    saved = load_checkpoint(trained_dir / "checkpoints" / "step_00000002.json")
+    with sync_script() as script:
+        run = script.train(compose_in_run_dir(tmp_path, [*SHORT_RUN, "train.total_steps=0", f"resume={trained_dir}"]))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r.get("event") for r in rows] == ["eval_only", None] and [r["step"] for r in rows] == [2, 2]
+    # the weights it resumed, evaluated as the trained run evaluated them at its end
+    trained_eval = [r for r in read_metrics(trained_dir / "metrics.jsonl") if "eval/accuracy" in r][-1]
+    assert rows[1]["eval/accuracy"] == trained_eval["eval/accuracy"]
+    assert run.policy_version == saved["counters"]["policy_version"]  # no optimiser step
+    weights = run.policy_model.state_dict()
+    assert all(torch.equal(weights[name], tensor) for name, tensor in saved["model"].items())
+    # nothing written: no checkpoint or export here, the trained run untouched
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "export").exists()
+    assert {name: files_and_hashes(trained_dir / name) for name in before} == before
+    assert (trained_dir / "metrics.jsonl").read_text() == trained_metrics
+
+
+def test_total_steps_0_evaluates_model_name(tmp_path, tiny_model_dir):
+    with sync_script() as script:
+        run = script.train(compose_in_run_dir(tmp_path, [*SHORT_RUN, "train.total_steps=0"]))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r.get("event") for r in rows] == ["eval_only", None] and [r["step"] for r in rows] == [0, 0]
+    assert 0 <= rows[1]["eval/accuracy"] <= 1 and rows[1]["eval/num_problems"] == 16
+    assert run.policy_version == 0 and run.last_checkpoint is None
+    original = load_file(tiny_model_dir / "model.safetensors")
+    weights = run.policy_model.state_dict()
+    assert all(torch.equal(weights[name], tensor) for name, tensor in original.items())
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "export").exists()

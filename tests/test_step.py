@@ -20,8 +20,8 @@ from grpo.inference import make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
 from grpo.run import make_optimizer, make_scheduler
 from grpo.setup import resolve_local_paths
-from grpo.step import (GRPOSettings, GRPOStep, grpo_terms, group_advantages, per_sample_kl_to_ref, token_log_probs,
-                       weighted_loss)
+from grpo.step import (GRPOSettings, GRPOStep, grpo_terms, group_advantages, overlong_penalty, per_sample_kl_to_ref,
+                       token_log_probs, weighted_loss)
 
 
 @pytest.fixture(scope="module")
@@ -401,3 +401,47 @@ def test_gspo_clips_one_geometric_mean_ratio_per_reply(setup):
     assert float(out["objective"]) == pytest.approx(float(-torch.stack(gains).mean()), rel=1e-4, abs=1e-6)
     assert float(out["clip_fraction"]) == pytest.approx(clipped / 8)
     assert 0 < clipped < 8, "the test needs clipped and unclipped replies"
+
+
+def test_overlong_penalty_is_zero_then_linear_over_the_buffer():
+    lengths = torch.tensor([10, 16, 17, 20, 24])
+    assert overlong_penalty(lengths, 24, 8, 0.5).tolist() == [0.0, 0.0, 0.5 / 8, 0.5 * 4 / 8, 0.5]
+
+
+def rollouts_with_stops(replies: list[list[int]], rewards: list[float], stop: int):
+    """Pairs of replies to one prompt; random sampler log-probs; ``stop`` ends a reply."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i, (reply, reward) in enumerate(zip(replies, rewards)):
+        prompt, response = torch.tensor([5, 6, 10 + i // 2]), torch.tensor(reply)
+        samples.append(TensorDict({
+            "tokens": TensorDict({"prompt": prompt, "response": response, "full": torch.cat([prompt, response])}),
+            "log_probs": TensorDict({"response": -torch.rand(len(reply), generator=g) - 0.5}),
+            ("next", "reward"): torch.tensor([[reward]]), ("next", "success"): torch.tensor([[reward > 0]]),
+        }))
+    return lazy_stack(samples)
+
+
+def test_overlong_shaping_penalises_then_filters_cut_replies_out_of_the_loss(setup):
+    """Soft penalty on the reward before the advantages; cut replies (no stop token within
+    max_new_tokens=4) stay in their group's baseline but out of every loss term."""
+    cfg, _, model, _, _ = setup
+    stop = 3
+    replies = [[8, stop], [8, 9, 11, 12], [8, 9, stop], [8, 9, 11, stop], [9, 9, 9, 9], [8, stop]]
+    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    step = make_step(cfg, model, max_new_tokens=4, overlong_buffer=2, overlong_penalty=0.5, overlong_filter=True)
+    step.pad_token_id, step.stop_token_ids = 0, [stop]
+    batch, metrics = step.prepare(rollouts_with_stops(replies, rewards, stop))
+    shaped = [1.0, 0.0 - 0.5, 1.0 - 0.25, 1.0 - 0.5, 0.0 - 0.5, 1.0]  # lengths 2, 4, 3, 4, 4, 2
+    assert batch["reward"].tolist() == pytest.approx(shaped)
+    assert metrics["overlong_penalty_mean"] == pytest.approx(sum(r - s for r, s in zip(rewards, shaped)) / 6)
+    groups = torch.tensor([0, 0, 1, 1, 2, 2])
+    torch.testing.assert_close(batch["advantage"], group_advantages(torch.tensor(shaped), groups))
+    cut = torch.tensor([False, True, False, False, True, False])
+    assert not batch["reply_mask"][cut].any()
+    assert batch["reply_mask"][~cut].sum(-1).tolist() == [2, 3, 4, 2]
+    kept = batch[~cut]
+    with torch.no_grad():
+        filtered, only_stopped = terms_of(cfg, model, batch), terms_of(cfg, model, kept)
+    for name in ("objective", "entropy", "kl_to_inference", "clip_fraction"):
+        assert float(filtered[name]) == pytest.approx(float(only_stopped[name]), rel=1e-5, abs=1e-7), name

@@ -1,0 +1,63 @@
+"""DAPO's dynamic sampling: a step trains on groups whose replies scored differently.
+
+A group whose rewards are all equal gets advantage 0 on every reply: it adds no policy gradient,
+only KL and entropy terms, yet costs its generation and training. With ``train.dynamic_sampling``
+such groups are dropped and more prompt batches are generated (``draw``) until the step holds
+``train.dialog_turns_per_batch`` replies of groups with distinct rewards, at most
+``train.max_extra_generation_batches`` more a step. Past that bound the step is topped up with
+dropped groups, so every step trains on the same number of replies (the LR schedule counts on it).
+Groups beyond a full step are dropped; their prompt batches count as consumed like the rest, so a
+resumed run draws exactly what an uninterrupted one would.
+
+Rewards are compared as the env gave them, before any KL or overlong shaping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tensordict import lazy_stack
+
+
+def reply_groups(rollouts) -> list[list[int]]:
+    """The replies to each distinct prompt (its token sequence), in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, sample in enumerate(rollouts.unbind(0)):
+        groups.setdefault(tuple(sample["tokens", "prompt"].tolist()), []).append(i)
+    return list(groups.values())
+
+
+def final_rewards(rollouts):
+    """One reward per reply: the env's reward at its last turn."""
+    return rollouts.get(("next", "reward")).reshape(len(rollouts), -1)[:, -1]
+
+
+def draw_step_batch(draw: Callable, replies_per_step: int, *, dynamic: bool, max_extra_batches: int):
+    """A step's rollouts and what the filter did. ``draw()`` returns the next batch of whole groups."""
+    if not dynamic:
+        rollouts = draw()
+        return rollouts, {"uniform_group_fraction": uniform_group_fraction(rollouts)}
+    informative, uniform, extra = [], [], -1
+    while sum(map(len, informative)) < replies_per_step and extra < max_extra_batches:
+        rollouts, extra = draw(), extra + 1
+        rewards, samples = final_rewards(rollouts), rollouts.unbind(0)
+        for members in reply_groups(rollouts):
+            group = [samples[i] for i in members]
+            (informative if rewards[members].max() > rewards[members].min() else uniform).append(group)
+    chosen, filled, uniform_used = [], 0, 0
+    for group in informative + uniform:  # informative groups first; dropped ones only to fill the step
+        if filled + len(group) <= replies_per_step:
+            chosen.append(group)
+            filled += len(group)
+            uniform_used += any(group is u for u in uniform)
+    return lazy_stack([s for group in chosen for s in group]), {
+        "filtered_groups": len(uniform) - uniform_used,
+        "uniform_group_fraction": len(uniform) / (len(informative) + len(uniform)),
+        "extra_generation_batches": extra,
+    }
+
+
+def uniform_group_fraction(rollouts) -> float:
+    """Of the groups in ``rollouts``, the share whose replies all got the same reward (no gradient)."""
+    rewards, groups = final_rewards(rollouts), reply_groups(rollouts)
+    return sum(bool(rewards[g].max() == rewards[g].min()) for g in groups) / len(groups)

@@ -1,0 +1,278 @@
+"""Reward functions from the user's code: ``reward.functions`` weighted by ``reward.weights``.
+
+    reward.functions=[my_pkg.rewards:score,path/to/checks.py:brevity] reward.weights=[1.0,0.1]
+
+An entry is ``module.path:function`` (imported from the working directory, the repo root or
+PYTHONPATH) or ``path/to/file.py:function`` (relative to the working directory, else to the
+repo root). Async rollout workers import them the same way: a local Ray worker starts in the
+trainer's working directory with its PYTHONPATH; on a Ray cluster every node needs the code.
+
+How a function is called
+------------------------
+Once per reply, with keyword arguments, of which it gets those it names::
+
+    def score(prompt: str, reply: str, answer: str) -> float: ...
+
+- ``prompt``: the row's prompt text as the user turn holds it, without system prompt or chat
+  template (the ``env.prompt_key`` column; GSM8K's ``question``, IFEval's ``prompt``);
+- ``reply``: the model's reply, trailing special tokens (``<|im_end|>``, eos, padding) removed;
+- ``answer``: the ``env.answer_key`` column, when that is set (generic task);
+- every column of the row under its own name; ``**row`` takes them all.
+
+``prompt``, ``reply`` and ``answer`` win over columns of the same name. It returns one number
+(a float; an int or a bool counts), finite. Batched form: a function with ``batched = True``
+(``score.batched = True`` after its ``def``) is called once per batch of replies, each keyword
+a list with one entry per reply in the same order, and returns one number per reply (a list,
+tuple, numpy array or 1-d tensor of that length).
+
+How they combine
+----------------
+``sum(weights[i] * functions[i](...))`` (``reward.weights`` empty: 1.0 each). For
+``env.task=generic`` that sum is the reward, and a reply succeeds (``eval/accuracy``) when it is
+above ``reward.success_threshold``. For gsm8k and ifeval it is added to the task's own reward;
+their ``success`` stays the task's own (a right answer, all instructions followed).
+
+What stops a run
+----------------
+At start, one ``ConfigError`` naming the entry and the fix: a module or file that does not
+import, a function it does not define, a parameter that is none of prompt, reply, answer or a
+column (and has no default), or a function that never sees the reply. At the first call that
+makes one: a return value that is not a number, is NaN or infinite, or (batched) a list of the
+wrong length. An exception the function itself raises keeps its traceback, with a note naming
+the function and the row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tensordict import NonTensorData, TensorDictBase
+from torchrl.data import Composite, Unbounded
+from torchrl.envs import Transform
+
+from grpo.errors import ConfigError
+from grpo.rewards import special_tokens, strip_trailing_special_tokens
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+FIXED_ARGUMENTS = ("prompt", "reply")  # every call offers these; "answer" too when env.answer_key is set
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """One ``reward.functions`` entry, imported and its signature read."""
+
+    key: str  # "reward.functions[i]='spec'": how messages name it
+    fn: Callable
+    batched: bool
+    names: frozenset[str]  # keyword parameters it takes
+    required: frozenset[str]  # those without a default
+    takes_all: bool  # has **kwargs: gets every argument
+
+    def check_arguments(self, offered: Sequence[str], where: str) -> None:
+        """Stop at start when a parameter it needs is not among ``offered`` (fixed ones and columns)."""
+        unknown = sorted(self.required - set(offered))
+        if unknown:
+            raise ConfigError(
+                f"{self.key}: {self.fn.__name__}{inspect.signature(self.fn)} needs {unknown}, which "
+                f"{'is' if len(unknown) == 1 else 'are'} none of the arguments {where} offers ({', '.join(offered)}); "
+                "rename the parameter to one of them, give it a default, or take **row.")
+
+    def __call__(self, arguments: list[dict], row_indices: list[int], where: str) -> list[float]:
+        """One number per reply; ``arguments[j]`` is everything offered for reply ``j``."""
+        passed = [a if self.takes_all else {k: v for k, v in a.items() if k in self.names} for a in arguments]
+        if not self.batched:
+            return [self._number(self._call(f"row {row}", **kw), row, where) for kw, row in zip(passed, row_indices)]
+        columns = {k: [kw[k] for kw in passed] for k in passed[0]}
+        result = self._call(f"a batch of rows {sorted(set(row_indices))}", **columns)
+        values = result.tolist() if isinstance(result, torch.Tensor) or hasattr(result, "dtype") else result
+        if not isinstance(values, (list, tuple)) or len(values) != len(passed):
+            shown = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{_short(result)}"
+            raise ConfigError(f"{self.key} is batched and returned {shown} for a batch of {len(passed)} replies "
+                              f"({where}); return one number per reply, in the order of the reply list.")
+        return [self._number(v, row, where) for v, row in zip(values, row_indices)]
+
+    def _call(self, rows: str, /, **kwargs):  # positional only: a column may be named rows
+        try:
+            return self.fn(**kwargs)
+        except Exception as err:  # the user's bug: its traceback is what they need, plus where it happened
+            err.add_note(f"raised by reward function {self.key} on {rows}")
+            raise
+
+    def _number(self, value, row: int, where: str) -> float:
+        if not isinstance(value, (numbers.Real, np.bool_)):
+            raise ConfigError(f"{self.key} returned {_short(value)} for a reply to row {row} ({where}); it must "
+                              "return a number (a float) per reply, e.g. 1.0 for a good reply and 0.0 for a bad one.")
+        if not math.isfinite(value):
+            raise ConfigError(f"{self.key} returned {value} for a reply to row {row} ({where}); return a finite "
+                              "number, e.g. 0.0 for a reply it cannot score.")
+        return float(value)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
+
+
+def parse_spec(spec: str, index: int) -> tuple[str, str, str]:
+    """``(key, where, name)`` of ``reward.functions[index]``: how messages name it, the module or file, the function."""
+    key = f"reward.functions[{index}]={spec!r}"
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise ConfigError(f"{key}: write it as module.path:function or path/to/file.py:function.")
+    return key, where, name
+
+
+def load_reward_function(spec: str, index: int) -> RewardFunction:
+    """Import ``reward.functions[index]`` and read its signature; every problem is a ConfigError."""
+    key, where, name = parse_spec(spec, index)
+    module = _import_file(where, key) if where.endswith(".py") or "/" in where else _import_module(where, key)
+    fn = getattr(module, name, None)
+    if fn is None:
+        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
+        raise ConfigError(f"{key}: {where} defines no {name!r} (its functions: {', '.join(defined) or 'none'}); "
+                          "fix the name after the colon.")
+    if not callable(fn):
+        raise ConfigError(f"{key}: {name} is a {type(fn).__name__}, not a function.")
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{key}: its signature cannot be read ({err}); wrap it in a def.") from err
+    kinds = inspect.Parameter
+    positional_only = [p.name for p in parameters if p.kind is kinds.POSITIONAL_ONLY and p.default is p.empty]
+    if positional_only:
+        raise ConfigError(f"{key}: {name}{inspect.signature(fn)} takes {positional_only} positionally only; "
+                          "arguments are passed by name: drop the '/'.")
+    by_name = [p for p in parameters if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    names = frozenset(p.name for p in by_name)
+    takes_all = any(p.kind is kinds.VAR_KEYWORD for p in parameters)
+    if "reply" not in names and not takes_all:
+        raise ConfigError(f"{key}: {name}{inspect.signature(fn)} never sees the reply it should score; define it "
+                          f"as def {name}(prompt, reply, **row) -> float (or name the columns it needs besides reply).")
+    return RewardFunction(key=key, fn=fn, batched=bool(getattr(fn, "batched", False)), names=names,
+                          required=frozenset(p.name for p in by_name if p.default is p.empty), takes_all=takes_all)
+
+
+def _import_file(where: str, key: str):
+    path = Path(where).expanduser()
+    candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
+    found = next((p.resolve() for p in candidates if p.is_file()), None)
+    if found is None:
+        raise ConfigError(f"{key}: no file {where} (looked in {', '.join(str(p.parent) for p in candidates)}); give "
+                          "the path of a .py file, absolute or relative to the working directory.")
+    # one module per file, registered so that dataclasses and pickling in it work
+    name = f"_reward_file_{found.stem}_{hashlib.sha1(str(found).encode()).hexdigest()[:8]}"
+    if name not in sys.modules:
+        module_spec = importlib.util.spec_from_file_location(name, found)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except (ImportError, SyntaxError) as err:
+            del sys.modules[name]
+            raise ConfigError(f"{key}: importing {found} failed ({type(err).__name__}: {err}); fix it or install "
+                              "what it imports.") from err
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def _import_module(where: str, key: str):
+    if not all(part.isidentifier() for part in where.split(".")):
+        raise ConfigError(f"{key}: {where!r} is no module path (dotted names) nor a .py file path.")
+    for root in (os.getcwd(), str(REPO_ROOT)):  # `python grpo/grpo.py` puts neither on sys.path
+        if root not in sys.path:
+            sys.path.append(root)
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as err:
+        if err.name and (where == err.name or where.startswith(err.name + ".")):
+            raise ConfigError(f"{key}: no module {err.name!r} in the working directory ({os.getcwd()}), the repo root "
+                              "or PYTHONPATH; run from the folder that holds it, add that folder to PYTHONPATH, or "
+                              "give path/to/file.py:function.") from err
+        raise ConfigError(f"{key}: importing {where} failed ({err}); install what it imports.") from err
+    except (ImportError, SyntaxError) as err:
+        raise ConfigError(f"{key}: importing {where} failed ({type(err).__name__}: {err}); fix it.") from err
+
+
+def load_reward_functions(specs) -> list[RewardFunction]:
+    return [load_reward_function(spec, i) for i, spec in enumerate(specs)]
+
+
+def offered_arguments(columns: Sequence[str], answer_key: str | None) -> list[str]:
+    """What a reward function may name: the fixed arguments, then the columns."""
+    fixed = [*FIXED_ARGUMENTS, *(["answer"] if answer_key else [])]
+    return fixed + [c for c in columns if c not in fixed]
+
+
+class UserRewards(Transform):
+    """Scores each reply with the user's reward functions (see the module docstring).
+
+    ``rows``: the split the env draws from (what its ``row_index`` points into); ``prompt_key``
+    and ``answer_key``: the columns offered as ``prompt`` and ``answer``. ``sole``: the functions
+    are the whole reward (generic task), and ``success`` is ``reward > success_threshold``;
+    otherwise their sum is added to the reward the task's own transform wrote before.
+    """
+
+    def __init__(self, functions: list[RewardFunction], weights: Sequence[float], rows, *, prompt_key: str,
+                 answer_key: str | None, split: str, tokenizer, sole: bool, success_threshold: float = 0.0):
+        super().__init__(in_keys=[], out_keys=["reward", *(["success"] if sole else [])])
+        self.functions, self.weights = functions, [float(w) for w in weights] or [1.0] * len(functions)
+        self.rows, self.prompt_key, self.answer_key = rows, prompt_key, answer_key
+        self.where = f"split {split!r}"
+        self.sole, self.success_threshold = sole, success_threshold
+        self.specials = special_tokens(tokenizer)
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        if next_tensordict.batch_dims > 1:
+            with tensordict.view(-1) as td_view, next_tensordict.view(-1) as next_view:
+                self._step(td_view, next_view)
+            return next_tensordict
+        row_indices = tensordict["row_index"].reshape(-1).tolist()
+        arguments = []
+        for row_index, reply in zip(row_indices, self._replies(tensordict), strict=True):
+            row = self.rows[row_index]
+            fixed = {"prompt": row[self.prompt_key], "reply": reply}
+            if self.answer_key:
+                fixed["answer"] = row[self.answer_key]
+            arguments.append({**row, **fixed})
+        total = torch.zeros(len(arguments), dtype=torch.float64)
+        for function, weight in zip(self.functions, self.weights, strict=True):
+            total += weight * torch.tensor(function(arguments, row_indices, self.where), dtype=torch.float64)
+        shape = next_tensordict.batch_size + (1, 1)
+        reward = total.to(torch.get_default_dtype()).view(shape)
+        if self.sole:
+            next_tensordict.set("success", reward > self.success_threshold)
+        else:
+            reward = reward + next_tensordict.get("reward").view(shape)
+        next_tensordict.set("reward", reward)
+        return next_tensordict
+
+    def _replies(self, tensordict: TensorDictBase) -> list[str]:
+        """The last message of each env's history (the reply), without trailing special tokens."""
+        full = tensordict.get(("history", "full"))
+        texts = []
+        for i in range(tensordict.batch_size[0]):
+            content = full[i][-1].content
+            text = content.data if isinstance(content, NonTensorData) else content
+            texts.append(strip_trailing_special_tokens(text or "", self.specials))
+        return texts
+
+    def transform_reward_spec(self, reward_spec: Composite) -> Composite:
+        if self.sole:  # otherwise the task's reward transform declared reward already
+            shape = reward_spec.shape + (1, 1)
+            reward_spec.update(Composite(reward=Unbounded(shape, dtype=torch.get_default_dtype()),
+                                         success=Unbounded(shape, dtype=torch.bool), shape=reward_spec.shape))
+        return reward_spec

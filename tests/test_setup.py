@@ -1,0 +1,74 @@
+"""What a user meets around a run, through the scripts as they start them: ``--help`` names the configs,
+a short run is quiet and shows replies to read, sweep jobs are told apart in wandb and by ``resume=auto``."""
+
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from statistics import mean
+
+import pytest
+
+from conftest import REPO
+from grpo.checkpoint import list_checkpoints, load_checkpoint
+from grpo.logger import read_metrics
+
+SMALL = ["eval.num_problems=8", "eval.batch_size=8", "env.num_envs=16", "env.repeats=4",
+         "train.dialog_turns_per_batch=16", "train.optim_batch_size=8", "logging.progress_bar=false"]
+
+
+def grpo(*args, multirun=False):
+    proc = subprocess.run([sys.executable, str(REPO / "grpo" / "grpo.py"), "--config-name", "grpo_tiny",
+                           *(["--multirun"] if multirun else []), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_help_lists_every_config():
+    shown = grpo("--help").stdout
+    names = sorted(p.stem for p in (REPO / "config").glob("*.yaml"))
+    listed = re.findall(r"^  (grpo\w*) {2,}\S", shown, flags=re.M)
+    assert sorted(listed) == names, shown[-2000:]  # config/hydra/help/grpo.yaml lists them, one line each
+
+
+def test_a_short_run_prints_no_warnings_and_shows_replies_with_their_rewards(tmp_path):
+    """The defaults of grpo_tiny, its progress bar included; replies of every prompt every 2 steps."""
+    run_dir = tmp_path / "run"
+    proc = grpo(f"hydra.run.dir={run_dir}", "train.total_steps=4", "logging.samples_every=2",
+                "logging.samples_count=8", "eval.num_problems=16")
+    noisy = [line for line in (proc.stdout + proc.stderr).splitlines() if "warn" in line.lower()]
+    assert not noisy, noisy
+    assert not list(run_dir.glob("*.log"))  # Hydra's job log used to be an empty grpo.log / setup.log
+    steps = {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "reward" in r}
+    samples = read_metrics(run_dir / "samples.jsonl")
+    assert sorted({s["step"] for s in samples}) == [2, 4]
+    for step in (2, 4):
+        rows = [s for s in samples if s["step"] == step]
+        assert len(rows) == 64  # every reply of the step: 8 prompts (samples_count) x 8 replies
+        assert mean(r["reward"] for r in rows) == pytest.approx(steps[step]["reward"], abs=1e-6)
+        assert sorted({r["row"] for r in rows}) == steps[step]["prompt_indices"]
+        assert all(r["prompt"].strip() and r["reply"].strip() for r in rows)
+        assert f"step {step}: replies (all of them in samples.jsonl)" in proc.stdout
+
+
+def test_sweep_jobs_get_their_own_wandb_run_and_resume_auto_picks_their_own_run():
+    """Both jobs of a sweep share one experiment_name. A second sweep with resume=auto, its values in the
+    other order, continues each job's own run: resume=auto used to take the newest run of the name."""
+    name = f"test-sweep-{uuid.uuid4().hex[:8]}"
+    root = REPO / "multirun" / name  # resume=auto searches the repo's outputs/ and multirun/
+    common = [*SMALL, "train.total_steps=1", f"logging.experiment_name={name}", "logger=wandb", "wandb.mode=offline"]
+    try:
+        first = root / "first"
+        grpo(f"hydra.sweep.dir={first}", "optimizer.lr=1e-4,3e-4", *common, multirun=True)
+        for job in ("0", "1"):
+            record = next((first / job / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+            assert f"{name}-{job}".encode() in record and f"{name} {first}".encode() in record  # name, group
+        grpo(f"hydra.sweep.dir={root / 'second'}", "optimizer.lr=3e-4,1e-4", "resume=auto", *common, multirun=True)
+        for job, lr in (("0", 1e-4), ("1", 3e-4)):
+            events = [r["event"] for r in read_metrics(first / job / "metrics.jsonl") if "event" in r]
+            assert events == ["start", "resume"], (job, events)
+            resumed = load_checkpoint(list_checkpoints(first / job / "checkpoints")[-1])  # saved again on resume
+            assert resumed["config"]["optimizer"]["lr"] == lr
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
