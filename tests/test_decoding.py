@@ -133,3 +133,29 @@ def test_building_a_decode_step_leaves_the_random_stream_alone(tiny):
     torch.manual_seed(1)
     again = fresh.generate(ids, mask, **options(tok, model))["sequences"]  # already built
     assert torch.equal(first, again)
+
+
+def test_an_inference_copy_runs_fused_projections_that_weight_pushes_reach(tiny, tiny_model_dir):
+    """A frozen model's q/k/v and gate/up run as one GEMM each: same logits and replies, same state-dict
+    names, and new weights copied into its parameters (a push) reach the fused GEMMs."""
+    tok, trained, trained_sampler = tiny
+    copy = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    names = list(copy.state_dict())
+    copy.requires_grad_(False)
+    sampler = ReplySampler(copy, compile=False, cache_bucket=64)
+    assert isinstance(trained.model.layers[0].self_attn.k_proj, torch.nn.Linear)  # a trained model is left alone
+    assert not isinstance(copy.model.layers[0].self_attn.k_proj, torch.nn.Linear)
+    assert list(copy.state_dict()) == names
+    ids, mask = prompts(tok)
+    greedy = options(tok, copy, do_sample=False)
+    assert torch.equal(sampler.generate(ids, mask, **greedy)["sequences"],
+                       trained_sampler.generate(ids, mask, **greedy)["sequences"])
+    g = torch.Generator().manual_seed(0)
+    pushed = {name: tensor + 0.01 * torch.randn(tensor.shape, generator=g) for name, tensor in trained.state_dict().items()}
+    with torch.no_grad():
+        for name, tensor in copy.state_dict().items():
+            tensor.copy_(pushed[name])
+        moved = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+        moved.load_state_dict(pushed)
+        torch.testing.assert_close(copy(ids, attention_mask=mask).logits, moved(ids, attention_mask=mask).logits,
+                                   atol=1e-5, rtol=1e-5)
