@@ -64,8 +64,8 @@ from torchrl.envs import Transform
 
 from grpo.errors import ConfigError
 from grpo.rewards import special_tokens, strip_trailing_special_tokens
+from grpo.setup import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXED_ARGUMENTS = ("prompt", "reply")  # every call offers these; "answer" too when env.answer_key is set
 
 

@@ -30,6 +30,9 @@ EXACT_KEYS = ["reward", "loss_objective", "grad_norm", "clip_fraction", "ess", "
 # Averages of near-zero diagnostics (KL ~1e-14 at the start) can differ in the last bits between
 # processes: CPU reductions take alignment-dependent vectorised paths. They must agree to 1e-6.
 CLOSE_KEYS = ["kl_to_ref", "kl_to_inference", "entropy"]
+# A run given a smaller train.total_steps has a cosine schedule of its own: runs resumed with a larger one
+# continue a constant schedule
+CONSTANT_LR = "optimizer.schedule=constant"
 
 
 def grpo_cmd(run_dir, *overrides):
@@ -55,13 +58,13 @@ def final_weights(run_dir):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
-    run(run_dir, "train.total_steps=4")
+    run(run_dir, "train.total_steps=4", CONSTANT_LR)
     return run_dir
 
 
 def test_half_then_resume_equals_straight_run(straight, tmp_path):
-    run(tmp_path, "train.total_steps=2")
-    run(tmp_path / "again", "train.total_steps=4", f"resume={tmp_path}")  # new hydra dir, continues tmp_path
+    run(tmp_path, "train.total_steps=2", CONSTANT_LR)
+    run(tmp_path / "again", "train.total_steps=4", CONSTANT_LR, f"resume={tmp_path}")  # new hydra dir, continues tmp_path
     a, b = step_rows(straight), step_rows(tmp_path)
     assert sorted(b) == [1, 2, 3, 4]
     for step in range(1, 5):
@@ -75,7 +78,7 @@ def test_half_then_resume_equals_straight_run(straight, tmp_path):
 
 def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path):
     """A step may draw several collections; the resumed run must start after the last one drawn."""
-    dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", "train.total_steps=4"]
+    dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", CONSTANT_LR, "train.total_steps=4"]
     run(tmp_path / "straight", *dynamic)
     run(tmp_path / "half", *dynamic[:-1], "train.total_steps=2")
     run(tmp_path / "again", *dynamic, f"resume={tmp_path / 'half'}")

@@ -48,7 +48,8 @@ def test_tiny_sync_run_learns(tmp_path):
 def test_multirun_sweep_runs_every_job(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "grpo" / "grpo.py"), "--config-name", "grpo_tiny", "--multirun",
-         "optimizer.lr=1e-4,3e-4", "train.total_steps=1", "eval.num_problems=16", f"hydra.sweep.dir={tmp_path}",
+         "optimizer.lr=1e-4,3e-4", "optimizer.schedule=constant", "train.total_steps=1", "eval.num_problems=16",
+         f"hydra.sweep.dir={tmp_path}",
          *FAST],
         capture_output=True, text=True, timeout=900,
     )
