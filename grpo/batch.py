@@ -29,6 +29,11 @@ def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
     return int(stops[0, 0]) + 1 if len(stops) else reply.numel()
 
 
+def final_rewards(data: TensorDictBase) -> torch.Tensor:
+    """One reward per reply: the env's reward at its last turn."""
+    return data.get(("next", "reward")).reshape(len(data), -1)[:, -1]
+
+
 def to_training_batch(data: TensorDictBase, pad_token_id: int, stop_token_ids: list[int]) -> TensorDict:
     """The collector's per-sample rollouts as one dense batch (see the module docstring)."""
     samples = data.unbind(0)
@@ -53,7 +58,7 @@ def to_training_batch(data: TensorDictBase, pad_token_id: int, stop_token_ids: l
         "attention_mask": attention_mask,
         "reply_mask": attention_mask[:, width_p:],
         "behaviour_log_probs": behaviour_lp,
-        "reward": data.get(("next", "reward")).reshape(n, -1)[:, -1].float(),
+        "reward": final_rewards(data).float(),
         "prompt_length": prompt_len,
         "reply_length": reply_len,
         "reply_stopped": torch.tensor([bool(torch.isin(r[-1:], stop_ids).any()) for r in replies]),

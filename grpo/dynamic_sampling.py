@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 from tensordict import lazy_stack
 
+from grpo.batch import final_rewards
+
 
 def reply_groups(rollouts) -> list[list[int]]:
     """The replies to each distinct prompt (its token sequence), in order of first appearance."""
@@ -27,37 +29,34 @@ def reply_groups(rollouts) -> list[list[int]]:
     return list(groups.values())
 
 
-def final_rewards(rollouts):
-    """One reward per reply: the env's reward at its last turn."""
-    return rollouts.get(("next", "reward")).reshape(len(rollouts), -1)[:, -1]
+def sort_groups(rollouts) -> tuple[list, list]:
+    """The groups of ``rollouts`` (lists of samples): those whose rewards differ, those all alike."""
+    rewards, samples = final_rewards(rollouts), rollouts.unbind(0)
+    informative, uniform = [], []
+    for members in reply_groups(rollouts):
+        (informative if rewards[members].max() > rewards[members].min() else uniform).append(
+            [samples[i] for i in members])
+    return informative, uniform
 
 
 def draw_step_batch(draw: Callable, replies_per_step: int, *, dynamic: bool, max_extra_batches: int):
     """A step's rollouts and what the filter did. ``draw()`` returns the next batch of whole groups."""
     if not dynamic:
         rollouts = draw()
-        return rollouts, {"uniform_group_fraction": uniform_group_fraction(rollouts)}
+        informative, uniform = sort_groups(rollouts)
+        return rollouts, {"uniform_group_fraction": len(uniform) / (len(informative) + len(uniform))}
     informative, uniform, extra = [], [], -1
     while sum(map(len, informative)) < replies_per_step and extra < max_extra_batches:
-        rollouts, extra = draw(), extra + 1
-        rewards, samples = final_rewards(rollouts), rollouts.unbind(0)
-        for members in reply_groups(rollouts):
-            group = [samples[i] for i in members]
-            (informative if rewards[members].max() > rewards[members].min() else uniform).append(group)
+        more_informative, more_uniform = sort_groups(draw())
+        informative, uniform, extra = informative + more_informative, uniform + more_uniform, extra + 1
     chosen, filled, uniform_used = [], 0, 0
-    for group in informative + uniform:  # informative groups first; dropped ones only to fill the step
+    for i, group in enumerate(informative + uniform):  # informative groups first; dropped ones only to fill the step
         if filled + len(group) <= replies_per_step:
             chosen.append(group)
             filled += len(group)
-            uniform_used += any(group is u for u in uniform)
+            uniform_used += i >= len(informative)
     return lazy_stack([s for group in chosen for s in group]), {
         "filtered_groups": len(uniform) - uniform_used,
         "uniform_group_fraction": len(uniform) / (len(informative) + len(uniform)),
         "extra_generation_batches": extra,
     }
-
-
-def uniform_group_fraction(rollouts) -> float:
-    """Of the groups in ``rollouts``, the share whose replies all got the same reward (no gradient)."""
-    rewards, groups = final_rewards(rollouts), reply_groups(rollouts)
-    return sum(bool(rewards[g].max() == rewards[g].min()) for g in groups) / len(groups)

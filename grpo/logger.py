@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo.batch import through_first_stop
+from grpo.batch import final_rewards, through_first_stop
 
 PLOTTED = ["reward", "eval/accuracy", "kl_to_ref", "loss_objective", "clip_fraction", "ess", "entropy",
            "response_length", "grad_norm"]
@@ -81,7 +81,7 @@ def reply_samples(rollouts, count: int, tokenizer, stop_ids: list[int]) -> list[
     it), ``reply`` (its tokens through the first stop token, as trained on, decoded without special tokens:
     the engines' history texts differ there) and ``reward`` (the env's, before any KL term)."""
     rows = rollouts.get("row_index").flatten().tolist()
-    rewards = rollouts.get(("next", "reward")).reshape(len(rows), -1)[:, -1].tolist()
+    rewards = final_rewards(rollouts).tolist()
     history = rollouts.get(("history", "prompt"))
     groups: dict[int, int] = {}  # data row -> its place among the batch's prompts
     stops = torch.tensor(stop_ids)
