@@ -203,7 +203,7 @@ class GreedyEvaluator:
         self.num_problems = min(spec["eval_problems"], len(load_gsm8k(spec["data"], "test")))
         self.env = GSM8KTaskEnv(dataset=spec["data"], split="test", tokenizer=tokenizer, repeats=1,
                                 num_envs=min(spec["eval_batch_size"], self.num_problems), seed=spec["seed"],
-                                shuffle=False)
+                                shuffle=False, answer_extraction="tag", format_reward=0.1)
         self.fields = EVAL_FIELDS["gsm8k"]
         self.tokenizer = tokenizer
         self.max_new_tokens = spec["max_new_tokens"]
@@ -217,12 +217,12 @@ class GreedyEvaluator:
         was_training = model.training
         model.eval()
         # the same eager decode loop for both sides' models: equal footing, nothing to compile
+        stop_ids = stop_token_ids(self.tokenizer, model.generation_config)
         policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=128), self.tokenizer,
                                           gen_kwargs={"max_new_tokens": self.max_new_tokens, "do_sample": False,
-                                                      "eos_token_id": stop_token_ids(self.tokenizer, model.generation_config),
-                                                      "pad_token_id": self.tokenizer.pad_token_id})
+                                                      "eos_token_id": stop_ids, "pad_token_id": self.tokenizer.pad_token_id})
         t0 = time.perf_counter()
-        result = evaluate(self.env, policy, self.num_problems, self.fields)
+        result = evaluate(self.env, policy, self.num_problems, self.fields, stop_ids)
         result["eval/time_s"] = time.perf_counter() - t0
         model.train(was_training)
         return result
@@ -302,8 +302,8 @@ def trl_worker(spec: dict) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise SystemExit("tokenizer larger than the model's vocabulary: not supported by this benchmark")
 
-    # Data: TorchRL's GSM8K chat prompt (system prompt + question), the tokenizer's chat template.
-    system = GSM8KTaskEnv.SYSTEM_PROMPT
+    # Data: the tag recipe's GSM8K chat prompt (TorchRL's R1 system prompt + question), the tokenizer's chat template.
+    system = GSM8KTaskEnv.SYSTEM_PROMPTS["tag"]
     train = load_gsm8k(spec["data"], "train")
     train = train.map(lambda row: {"prompt": [{"role": "system", "content": system},
                                               {"role": "user", "content": row["question"]}]})
@@ -312,7 +312,7 @@ def trl_worker(spec: dict) -> None:
         apply_chat_template({"prompt": train[i]["prompt"]}, tokenizer)["prompt"]
         == build_prompt(tokenizer, train[i]["question"]) for i in range(min(32, len(train))))
 
-    correct_w, format_w = 1.0, 0.1  # grpo_gsm8k's reward.correct / reward.format
+    correct_w, format_w = 1.0, 0.1  # the tag recipe (grpo_gsm8k_tags): reward.correct / reward.format
 
     def gsm8k_reward(prompts, completions, answer, **_):
         """Our reward: correct_w * [last number in <answer> right] + format_w * [think/answer format]."""

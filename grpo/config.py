@@ -42,7 +42,7 @@ def validate_config(cfg) -> None:
     need(isinstance(cfg.seed, int) and cfg.seed >= 0, f"seed={cfg.seed!r} must be a whole number >= 0 (numpy "
          "refuses negative seeds); e.g. seed=0.")
     o, im = cfg.optimizer, cfg.inference_model
-    need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0 (at 0 nothing trains); the default is 1e-6.")
+    need(o.lr > 0, f"optimizer.lr={o.lr} must be > 0 (at 0 nothing trains); the default is 2e-6.")
     need(o.schedule in ("constant", "cosine"), f"optimizer.schedule={o.schedule!r}; use constant or cosine.")
     need(o.warmup_steps >= 0 and 0 <= o.min_lr_ratio <= 1, f"optimizer.warmup_steps={o.warmup_steps} must be >= 0 "
          f"and optimizer.min_lr_ratio={o.min_lr_ratio} in [0, 1].")
@@ -115,8 +115,8 @@ def validate_config(cfg) -> None:
     need(isinstance(im.top_k, int) and im.top_k >= 0, f"inference_model.top_k={im.top_k!r} must be a whole number "
          ">= 0 (0 = off: sample from the whole vocabulary).")
     need(cfg.reward.answer_extraction in ANSWER_EXTRACTIONS, f"reward.answer_extraction="
-         f"{cfg.reward.answer_extraction!r}; use tag (inside <answer>, strict) or last_number (the last number in the "
-         "reply; <answer> still wins when present).")
+         f"{cfg.reward.answer_extraction!r}; use flexible (an explicit final answer, else the last number), strict (an "
+         "explicit final answer only) or tag (inside <answer> only).")
     functions, weights = cfg.reward.functions, cfg.reward.weights  # imported and checked against the data at load
     need(OmegaConf.is_list(functions) and all(isinstance(f, str) for f in functions), f"reward.functions={functions!r} "
          "must be a list of module.path:function or path/to/file.py:function, e.g. "

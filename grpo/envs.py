@@ -29,14 +29,26 @@ from grpo.user_rewards import UserRewards, load_reward_functions, offered_argume
 
 
 class GSM8KTaskEnv(DatasetChatEnv):
-    """GSM8K as a chat env: TorchRL's system prompt and question handling, our data loader and reward."""
+    """GSM8K as a chat env: TorchRL's question handling, our data loader, system prompt and reward.
 
-    SYSTEM_PROMPT = GSM8KEnv.SYSTEM_PROMPT
+    Its own system prompt asks for the answer in a form ``answer_extraction`` reads: reasoning that ends
+    with "The answer is N." (flexible, strict), or TorchRL's R1-style ``<think>``/``<answer>`` tags (tag).
+    """
+
+    SYSTEM_PROMPTS = {
+        # Qwen2.5-Coder-0.5B-Instruct, 16 GSM8K rows, greedy: 4 right with this prompt, 1 when asked for
+        # '#### N' or for \boxed{} (it writes \boxed{} anyway, which the extractor reads)
+        "flexible": "Solve the math problem. Reason step by step, then end with: The answer is N.",
+        "tag": GSM8KEnv.SYSTEM_PROMPT,
+    }
+    SYSTEM_PROMPTS["strict"] = SYSTEM_PROMPTS["flexible"]
     hub_config = "main"
 
     def __init__(self, *, dataset: str, split: str, tokenizer, repeats: int, num_envs: int, seed: int,
-                 shuffle: bool = True, correct_reward: float = 1.0, format_reward: float = 0.1,
-                 answer_extraction: str = "tag", system_prompt: str | None = None):
+                 shuffle: bool = True, correct_reward: float = 1.0, format_reward: float = 0.0,
+                 answer_extraction: str = "flexible", system_prompt: str | None = None):
+        if system_prompt is None:
+            system_prompt = self.SYSTEM_PROMPTS[answer_extraction]
         super().__init__(
             dataset=dataset, split=split, name=self.hub_config, shuffle=shuffle, num_envs=num_envs,
             repeats=repeats, seed=seed, group_repeats=False, tokenizer=tokenizer, collate_fn=gsm8k_collate,
@@ -125,7 +137,7 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     per split, 1.5 to 2 s of one CPU core for GSM8K's 7.5k train rows (TorchRL's 94-token system
     prompt is most of their tokens); the tokenizer spreads a batch over the cores it has.
     """
-    system = TASK_ENVS[cfg.env.task].SYSTEM_PROMPT if cfg.env.system_prompt is None else cfg.env.system_prompt
+    system = task_system_prompt(cfg)
     system_turn = [] if system is None else [{"role": "system", "content": system}]
     column = prompt_column(cfg)
     template = wrapper_chat_template(tokenizer)
@@ -152,7 +164,8 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
 class IFEvalTask:
     """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.ifeval_checks)."""
 
-    SYSTEM_PROMPT, prompt_key = IFEvalEnv.SYSTEM_PROMPT, "prompt"
+    prompt_key = "prompt"
+    system_prompt = staticmethod(lambda cfg: IFEvalEnv.SYSTEM_PROMPT)
     load_split = staticmethod(load_ifeval_rows)  # validates every row's instruction ids and kwargs
 
     @staticmethod
@@ -163,7 +176,8 @@ class IFEvalTask:
 
 
 class GSM8KTask:
-    SYSTEM_PROMPT, prompt_key = GSM8KTaskEnv.SYSTEM_PROMPT, "question"
+    prompt_key = "question"
+    system_prompt = staticmethod(lambda cfg: GSM8KTaskEnv.SYSTEM_PROMPTS[cfg.reward.answer_extraction])
     load_split = staticmethod(load_gsm8k)
 
     @staticmethod
@@ -177,7 +191,7 @@ class GSM8KTask:
 class GenericTask:
     """Your own data: ``env.prompt_key`` is the user turn, the reward is ``reward.functions`` alone."""
 
-    SYSTEM_PROMPT = PromptsEnv.SYSTEM_PROMPT
+    system_prompt = staticmethod(lambda cfg: PromptsEnv.SYSTEM_PROMPT)
     load_split = staticmethod(load_prompt_rows)
 
     @staticmethod
@@ -191,12 +205,18 @@ TASK_ENVS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask, "generic": GenericTask}
 
 # Per task, the env outputs averaged into eval rows (eval/<name>); the first is eval/accuracy's source.
 EVAL_FIELDS = {
-    "gsm8k": {"accuracy": "success", "answer_rate": "reward_answer"},
+    "gsm8k": {"accuracy": "success", "strict_accuracy": "correct_strict", "flexible_accuracy": "correct_flexible",
+              "answer_rate": "marked_answer"},
     "ifeval": {"accuracy": "success", "prompt_strict_acc": "prompt_level_strict_acc",
                "inst_strict_acc": "inst_level_strict_acc", "prompt_loose_acc": "prompt_level_loose_acc",
                "inst_loose_acc": "inst_level_loose_acc", "format_rate": "format_ok"},
     "generic": {"accuracy": "success"},  # reward > reward.success_threshold
 }
+
+
+def task_system_prompt(cfg) -> str | None:
+    """The system turn of every prompt: ``env.system_prompt``, or the task's own when it is null."""
+    return TASK_ENVS[cfg.env.task].system_prompt(cfg) if cfg.env.system_prompt is None else cfg.env.system_prompt
 
 
 def prompt_column(cfg) -> str:

@@ -19,8 +19,13 @@ from tqdm import tqdm
 
 from grpo.batch import final_rewards, through_first_stop
 
-PLOTTED = ["reward", "eval/accuracy", "kl_to_ref", "loss_objective", "clip_fraction", "ess", "entropy",
-           "response_length", "grad_norm"]
+# metrics.png: one panel per entry, its metrics as lines (eval rows as markers). Held-out accuracy sits beside
+# its strict and flexible forms, and reply length and truncation beside their eval values, so a recipe
+# that learns a format and drops its reasoning shows in one look.
+PANELS = [("reward",), ("eval/accuracy", "eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate"),
+          ("kl_to_ref",), ("loss_objective",), ("clip_fraction",), ("ess",), ("entropy",),
+          ("response_length", "eval/response_length"), ("response_truncated_fraction", "eval/truncated_fraction"),
+          ("grad_norm",)]
 SAMPLE_COLUMNS = ["step", "group", "row", "prompt", "reply", "reward"]
 CONSOLE_WIDTH = 110  # characters of a prompt or reply on the console; samples.jsonl keeps them whole
 
@@ -178,7 +183,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_metrics(metrics_path: Path, out_png: Path) -> None:
-    """One panel per metric against the step; eval rows as markers."""
+    """One panel per entry of ``PANELS`` against the step; eval rows as markers."""
     try:
         import matplotlib
     except ImportError:  # a bare GPU image may lack it; the metrics file is what matters
@@ -189,18 +194,22 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    names = [n for n in PLOTTED if any(n in r for r in rows)]
-    if not names:
+    panels = [[n for n in panel if any(n in r for r in rows)] for panel in PANELS]
+    panels = [panel for panel in panels if panel]
+    if not panels:
         return
     cols = 3
-    fig, axes = plt.subplots((len(names) + cols - 1) // cols, cols, figsize=(12, 3 * ((len(names) + cols - 1) // cols)),
-                             squeeze=False)
-    for ax, name in zip(axes.flat, names):
-        pts = [(r["step"], r[name]) for r in rows if name in r and r[name] is not None]
-        ax.plot(*zip(*pts), marker="o" if name.startswith("eval/") else None, markersize=4)
-        ax.set_title(name)
+    n_rows = (len(panels) + cols - 1) // cols
+    fig, axes = plt.subplots(n_rows, cols, figsize=(12, 3 * n_rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for name in panel:
+            pts = [(r["step"], r[name]) for r in rows if name in r and r[name] is not None]
+            ax.plot(*zip(*pts), marker="o" if name.startswith("eval/") else None, markersize=4, label=name)
+        ax.set_title(panel[0])
         ax.set_xlabel("step")
-    for ax in list(axes.flat)[len(names):]:
+        if len(panel) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(out_png, dpi=80)

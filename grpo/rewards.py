@@ -1,13 +1,20 @@
-"""GSM8K rewards: correctness of the final number plus a format reward.
+"""GSM8K rewards: correctness of the final number, plus an optional format reward (off by default).
 
 TorchRL's ``GSM8KRewardParser`` compares the text inside ``<answer>`` with the
 reference by string equality after light normalisation, so "$1,200.00" vs "1200" or
-"The answer is 8." vs "8" count as wrong. We keep its tag extraction and env plumbing
-and replace only the scoring with a numeric comparison of the final number.
+"The answer is 8." vs "8" count as wrong. We keep its env plumbing and replace the scoring
+with a numeric comparison of the final number, read where real instruct models write it.
 
-Where the predicted answer is read is ``reward.answer_extraction``: ``tag`` (the text inside
-``<answer>``, strict) or ``last_number`` (the ``<answer>`` text when the reply has one, else
-the last number anywhere in the reply), for models that never write the tags.
+Where the predicted answer is read is ``reward.answer_extraction`` (lm-eval-harness scores GSM8K
+with a strict and a flexible match the same way):
+
+- ``strict``: an explicit final answer: the last of ``\boxed{N}``, ``#### N``, "The (final) answer
+  is N" / "Final answer: N" and ``<answer>N</answer>`` in the reply that holds a number;
+- ``flexible`` (the default): the strict answer, else the last number anywhere in the reply;
+- ``tag``: the text inside ``<answer>`` only (the R1-style tag recipe).
+
+Every reply is also scored both strict and flexible (``correct_strict``, ``correct_flexible``,
+``marked_answer``), whatever pays the reward, so eval reports them side by side.
 
 ``is_well_formatted`` is the format rule of every task (IFEval's ``format_ok`` is this rule too).
 """
@@ -17,7 +24,9 @@ from __future__ import annotations
 import math
 import re
 
+import torch
 from tensordict import TensorDict
+from torchrl.data import Unbounded
 from torchrl.envs.llm import GSM8KRewardParser
 
 _NUMBER = re.compile(r"-?\$?\s*\d[\d,]*(?:\.\d+)?|-?\$?\s*\.\d+")
@@ -55,8 +64,34 @@ def is_well_formatted(response: str) -> bool:
     return _FORMAT.fullmatch(response) is not None
 
 
-ANSWER_EXTRACTIONS = ("tag", "last_number")
+ANSWER_EXTRACTIONS = ("flexible", "strict", "tag")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+# What instruct models write for a final answer, and how far into the marked text its number may start
+# ("The answer is unclear; maybe 8" marks nothing; "The answer is: **$8**" marks 8).
+_FINAL_ANSWER_MARKS = (
+    (re.compile(r"\\boxed\s*\{((?:[^{}]|\{[^{}]*\})*)\}"), None),        # \boxed{18}, \boxed{\$1{,}200}
+    (re.compile(r"####([^\n]*)"), 4),                                     # #### 18
+    (re.compile(r"answer\s*(?:is|:)([^\n]*)", re.IGNORECASE), 12),         # The answer is 18. / Final answer: $18
+    (_ANSWER_TAG, None),                                                   # <answer>18</answer>
+)
+
+
+def marked_answer(text: str) -> str | None:
+    """The number of the reply's last explicit final answer (see the module docstring), or None."""
+    found = []  # (position, number)
+    for mark, max_offset in _FINAL_ANSWER_MARKS:
+        for match in mark.finditer(text):
+            number = _NUMBER.search(match.group(1).replace("\u2212", "-").replace("{,}", ","))
+            if number is not None and (max_offset is None or number.start() <= max_offset):
+                found.append((match.start(), number.group(0).strip()))
+    return max(found)[1] if found else None
+
+
+def last_number(text: str) -> str | None:
+    numbers = _NUMBER.findall(text.replace("\u2212", "-").replace("{,}", ","))
+    return numbers[-1].strip() if numbers else None
+
+
 # Always treated as special, whatever the tokenizer says (TorchRL's chat parsing knows them too).
 _CHATML_SPECIALS = ("<|im_end|>", "<|endoftext|>")
 
@@ -90,28 +125,26 @@ class GSM8KReward(GSM8KRewardParser):
     """TorchRL's GSM8K reward transform with numeric answer matching.
 
     ``reward = correct_reward * [final number right] + format_reward * [well formatted]``;
-    ``success`` is correctness alone (it is what eval accuracy averages).
+    ``success`` is correctness alone (it is what eval accuracy averages). Where the predicted answer
+    is read is ``answer_extraction`` (``flexible``, ``strict`` or ``tag``: the module docstring);
+    ``reward_answer`` is 1 when it found one (``tag``: a non-empty ``<answer>``).
 
-    ``answer_extraction`` says where the predicted answer is read:
+    Outputs beside the reward, whatever ``answer_extraction`` is: ``correct_strict`` and
+    ``correct_flexible`` (the answer read strict / flexible is right) and ``marked_answer`` (the reply
+    has an explicit final answer): a collapse to tags, or to bare numbers, shows in eval.
 
-    - ``tag``: the text inside ``<answer>...</answer>`` (its last number is compared);
-      ``reward_answer`` is 1 when that text is non-empty.
-    - ``last_number``: the ``<answer>`` text when the reply has an ``<answer>...</answer>`` pair
-      (the tag wins, even when it holds no number), else the last number anywhere in the reply;
-      ``reward_answer`` is 1 when a number was found.
-
-    The format reward is the strict ``<think>…</think><answer>…</answer>`` layout in both modes.
+    The format reward is the strict ``<think>…</think><answer>…</answer>`` layout in every mode.
     Special tokens of the tokenizer never count: trailing ones (``<|im_end|>``, ``<|endoftext|>``,
     padding) are stripped before the format check, and all of them are blanked out before a
     number is searched in the reply text.
     """
 
-    def __init__(self, tokenizer, *, correct_reward: float = 1.0, format_reward: float = 0.1,
-                 answer_extraction: str = "tag"):
+    def __init__(self, tokenizer, *, correct_reward: float = 1.0, format_reward: float = 0.0,
+                 answer_extraction: str = "flexible"):
         if answer_extraction not in ANSWER_EXTRACTIONS:
             raise ValueError(
-                f"reward.answer_extraction={answer_extraction!r} is unknown; use 'tag' (inside <answer>, strict) "
-                "or 'last_number' (the last number in the reply; <answer> still wins when present)."
+                f"reward.answer_extraction={answer_extraction!r} is unknown; use 'flexible' (an explicit final answer, "
+                "else the last number), 'strict' (an explicit final answer only) or 'tag' (inside <answer> only)."
             )
         super().__init__(tokenizer=tokenizer, correct_reward=correct_reward, format_reward=format_reward)
         self.answer_extraction = answer_extraction
@@ -119,28 +152,31 @@ class GSM8KReward(GSM8KRewardParser):
         self._special_re = re.compile("|".join(map(re.escape, self._specials)))
         self._last_text: str | None = None
 
-    def predicted_answer(self, text: str) -> tuple[str, str]:
-        """``(think content, predicted answer)`` of a reply (trailing special tokens already stripped)."""
-        cot, tagged = GSM8KRewardParser.extract_tags(text)
-        if self.answer_extraction == "tag" or _ANSWER_TAG.search(text):
-            return cot, tagged
-        numbers = _NUMBER.findall(self._special_re.sub(" ", text).replace("\u2212", "-"))
-        return cot, (numbers[-1].strip() if numbers else "")
-
-    def has_answer(self, predicted: str) -> bool:
-        if self.answer_extraction == "tag":
-            return bool(predicted)
-        return parse_number(predicted) is not None
+    def transform_reward_spec(self, reward_spec):
+        reward_spec = super().transform_reward_spec(reward_spec)
+        shape = reward_spec.shape + (1, 1)
+        for key in ("correct_strict", "correct_flexible", "marked_answer"):
+            reward_spec[key] = Unbounded(shape, dtype=torch.bool)
+        return reward_spec
 
     def extract_tags(self, text: str):
         # The parent's _step calls this once per response, right before
         # _single_correctness_reward, which needs the whole text for the format check.
         self._last_text = strip_trailing_special_tokens(text, self._specials)
-        return self.predicted_answer(self._last_text)
+        cot, _ = GSM8KRewardParser.extract_tags(self._last_text)
+        return cot, self._last_text  # the answer is read in _single_correctness_reward, every way
 
-    def _single_correctness_reward(self, true_answer: str, potential_answer: str, cot: str) -> TensorDict:
-        has_answer = self.has_answer(potential_answer)
-        correct = has_answer and numbers_match(potential_answer, true_answer)
+    def _single_correctness_reward(self, true_answer: str, text: str, cot: str) -> TensorDict:
+        plain = self._special_re.sub(" ", text)
+        strict = marked_answer(plain)
+        flexible = strict if strict is not None else last_number(plain)
+        if self.answer_extraction == "tag":
+            tagged = GSM8KRewardParser.extract_tags(text)[1]
+            predicted, has_answer = tagged, bool(tagged)
+        else:
+            predicted = strict if self.answer_extraction == "strict" else flexible
+            has_answer = predicted is not None
+        correct = has_answer and numbers_match(predicted, true_answer)
         formatted = is_well_formatted(self._last_text or "")
         return TensorDict(
             reward_answer=float(has_answer),
@@ -148,4 +184,7 @@ class GSM8KReward(GSM8KRewardParser):
             reward_right=float(correct),
             reward=self.correct_reward * correct + self.format_reward * formatted,
             success=correct,
+            correct_strict=strict is not None and numbers_match(strict, true_answer),
+            correct_flexible=flexible is not None and numbers_match(flexible, true_answer),
+            marked_answer=strict is not None,
         )

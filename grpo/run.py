@@ -30,6 +30,10 @@ from grpo.setup import REPO_ROOT, StopFlag, StopRequested, resolve_local_paths, 
 from grpo.step import GRPOSettings, GRPOStep
 
 
+# shown on the console after eval/accuracy where the task reports them (all of them in metrics.jsonl)
+EVAL_SHOWN = ("eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate", "eval/truncated_fraction")
+
+
 class TrainingRun:
     """``dedicated_inference``: generation GPUs belong to rollout workers elsewhere, so this process's
     own engine (used for eval only) sits on the training GPU; otherwise it generates the rollouts."""
@@ -154,10 +158,11 @@ class TrainingRun:
         if self.inference.version != self.policy_version:  # rollout workers elsewhere got the weights, it did not
             self.inference.push_weights(self.policy_model, self.policy_version)
         result = evaluate(self.eval_env, self.inference.greedy_policy, self.num_eval_problems,
-                          EVAL_FIELDS[self.cfg.env.task])
+                          EVAL_FIELDS[self.cfg.env.task], self.stop_ids)
         self.logger.log({"step": self.step, **result, "eval/time_s": time.perf_counter() - t0})
+        shown = "".join(f" {name.removeprefix('eval/')} {result[name]:.3f}" for name in EVAL_SHOWN if name in result)
         tqdm.write(f"step {self.step}: eval accuracy {result['eval/accuracy']:.3f} "
-                   f"({result['eval/num_problems']} problems)")
+                   f"({result['eval/num_problems']} problems){shown}, reply length {result['eval/response_length']:.0f}")
         self.last_eval_step = self.step
 
     def checkpoint_if_due(self, force: bool = False, rng: dict | None = None) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict
+from torch.utils.checkpoint import checkpoint
 from torchrl.data import ReplayBuffer, SamplerWithoutReplacement, TensorStorage
 
 from grpo.batch import prompt_group_ids, to_training_batch, trim_padding
@@ -301,29 +302,56 @@ def score_replies(batch: TensorDict, model, micro_batch: int) -> torch.Tensor:
     return torch.cat(chunks) * batch["reply_mask"]
 
 
+# Logits of at most this many bytes (float32) exist at once: a 152k vocabulary makes [S, R, V] logits
+# of 8 replies x 384 tokens 1.9 GB, and their log-softmax and backward several times that (the real
+# 0.5B step was killed at 24 GB on CPU with one micro-batch of 8).
+LOGIT_CHUNK_BYTES = 2**28
+
+
 def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width_r: int, *,
                     with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[S, R]`` log pi(reply token | everything before it), and its entropy if asked.
 
-    Only the last ``R + 1`` positions go through the LM head (``logits_to_keep``): the prompt
-    positions' logits are never needed. ``entropy_grad=False`` keeps the full-vocabulary entropy
-    out of the autograd graph (then it is only logged), which saves its backward and activations.
+    Only the last ``R + 1`` positions go through the LM head: the prompt positions' logits are never
+    needed. The head runs over chunks of positions, each under activation checkpointing, so at most
+    ``LOGIT_CHUNK_BYTES`` of logits are alive at once, forward or backward; the values are those of
+    one full-width pass. ``entropy_grad=False`` keeps the full-vocabulary entropy out of the autograd
+    graph (then it is only logged).
     """
     # positions count real tokens only, as in generation from left-padded prompts
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
-                   logits_to_keep=width_r + 1, use_cache=False).logits[:, :-1].float()
-    targets = input_ids[:, input_ids.shape[1] - width_r:].to(logits.device)
-    # log-softmax at the target only: the backward needs no [S, R, V] log-prob tensor
-    token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    # a model split over GPUs returns logits on its last one; the batch lives on the first
-    token_lp = token_lp.to(input_ids.device)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask.long(),
+                                 position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = hidden[:, hidden.shape[1] - width_r - 1:-1]
+    head = model.get_output_embeddings()
+    targets = input_ids[:, input_ids.shape[1] - width_r:].to(hidden.device)
+    entropy_grad = entropy_grad and torch.is_grad_enabled()
+    positions = max(1, LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
+    chunks = []
+    for start in range(0, flat_targets.shape[0], positions):
+        args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], with_entropy,
+                entropy_grad)
+        one_chunk = flat_targets.shape[0] <= positions  # nothing to save: no recompute
+        chunks.append(_head_log_probs(*args) if one_chunk or not torch.is_grad_enabled()
+                      else checkpoint(_head_log_probs, *args, use_reentrant=False))
+    # a model split over GPUs returns hidden states on its last one; the batch lives on the first
+    token_lp = torch.cat([lp for lp, _ in chunks]).view_as(targets).to(input_ids.device)
     if not with_entropy:
         return token_lp, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        log_probs = logits.log_softmax(-1)
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return token_lp, entropy.to(input_ids.device)
+    return token_lp, torch.cat([ent for _, ent in chunks]).view_as(targets).to(input_ids.device)
+
+
+def _head_log_probs(head, hidden, targets, with_entropy: bool, entropy_grad: bool):
+    """Log-probs of ``targets`` (and the entropy) from one chunk of hidden states."""
+    logits = head(hidden).float()
+    lse = logits.logsumexp(-1)
+    token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
+    if not with_entropy:
+        return token_lp, None
+    with torch.set_grad_enabled(entropy_grad):
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1)
+    return token_lp, entropy
 
 
 def autocast_if(enabled: bool, model):

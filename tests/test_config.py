@@ -48,7 +48,7 @@ def test_every_key_has_a_comment(name):
     ("train_model.mixed_precision=true", r"mixed_precision=true computes the loss in bfloat16.*"
                                          r"train_model.mixed_precision=false"),
     ("inference_model.top_k=-1", r"inference_model.top_k=-1 must be a whole number >= 0"),
-    ("reward.answer_extraction=regex", r"reward.answer_extraction='regex'; use tag .* or last_number"),
+    ("reward.answer_extraction=regex", r"reward.answer_extraction='regex'; use flexible .* strict .* or tag"),
     ("optimizer.betas=[0.9,1.5]", r"both betas in \[0, 1\)"),
     ("inference_model.dtype=fp8", r"inference_model.dtype='fp8'; use float32, bfloat16 or float16"),
     ("optimizer.lr=1e-4x", r"optimizer.lr='1e-4x' must be a number"),  # was a TypeError traceback

@@ -11,12 +11,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from conftest import REPO
 from grpo.checkpoint import list_checkpoints
-from grpo.envs import TASK_ENVS
+from grpo.envs import GSM8KTaskEnv
 from grpo.export import export_model
 from grpo.models import load_causal_lm, load_tokenizer, wrapper_chat_template
 
 # prompts of the tiny task, as its env builds them: replies that end within a few tokens
-CHATS = [[{"role": "system", "content": TASK_ENVS["gsm8k"].SYSTEM_PROMPT}, {"role": "user", "content": question}]
+CHATS = [[{"role": "system", "content": GSM8KTaskEnv.SYSTEM_PROMPTS["tag"]}, {"role": "user", "content": question}]
          for question in ("There are 19 stickers in a box. Mia puts 6 more stickers in the box. How many stickers "
                           "are in the box now?", "Tom buys 4 boxes of marbles. Each box has 2 marbles. How many "
                           "marbles did Tom buy?")]

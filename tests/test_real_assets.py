@@ -55,3 +55,28 @@ def test_gsm8k_rows(real_gsm8k_dir, split, n_rows):
     rows = [json.loads(line) for line in (real_gsm8k_dir / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()]
     assert len(rows) == n_rows
     assert all(set(row) == {"question", "answer"} and row["answer"].count("#### ") == 1 for row in rows)
+
+
+def test_qwen_tokenizer_ends_turns_and_pads_apart(real_qwen_dir):
+    # eos <|im_end|> (where replies stop), pad <|endoftext|>, a chat template, and a generation config that agrees
+    tokenizer = AutoTokenizer.from_pretrained(real_qwen_dir)
+    assert tokenizer.eos_token == IM_END and tokenizer.pad_token == "<|endoftext|>"
+    assert GenerationConfig.from_pretrained(real_qwen_dir).eos_token_id == tokenizer.convert_tokens_to_ids(IM_END)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith(f"<|im_start|>user\nHi{IM_END}\n<|im_start|>assistant\n")
+
+
+def test_fetch_refuses_a_corrupt_gguf(tmp_path):
+    # a part that is not the pinned one is caught by the joined file's sha256, before any conversion
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    fake = tmp_path / "x.gguf"
+    fake.write_bytes(b"GGUF" + bytes(100))
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "fetch_real_assets.py"), "--models",
+                          "qwen2.5-coder-0.5b", "--gguf", str(fake), "--model-only", "--assets", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and not (tmp_path / "qwen2.5-coder-0.5b-instruct").exists()
+    assert out.stderr.strip().startswith("fetch_real_assets: error: ") and "sha256" in out.stderr

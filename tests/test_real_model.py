@@ -1,15 +1,17 @@
-"""A real model (SmolLM2-135M-Instruct) through the training step, on CPU, on IFEval-format prompts
-(short replies that end at eos; its GSM8K replies run past any cap a CPU test can afford).
+"""Real models through the training step, on CPU: SmolLM2-135M-Instruct on IFEval-format prompts, and
+Qwen2.5-Coder-0.5B-Instruct (152k vocabulary) through the default GSM8K recipe's config (grpo_qwen05b)
+on short arithmetic questions; both give short replies that end at eos (their real GSM8K replies run
+past any cap a CPU test can afford).
 
-Its tokenizer has pad = eos = <|im_end|> and its generation_config pads with eos: the case that
-once filled replies with runs of eos counted as reply tokens (kl_to_inference 1241 at step 1 on a
-GPU). Here a handful of replies go through the same code the scripts run.
+Their tokenizers end turns with <|im_end|>; SmolLM2's pads with it too and its generation_config pads
+with eos: the case that once filled replies with runs of eos counted as reply tokens (kl_to_inference
+1241 at step 1 on a GPU). Here a handful of replies go through the same code the scripts run.
 """
 
 import pytest
 import torch
 
-from conftest import compose
+from conftest import TINY_DATA, compose
 from grpo.envs import make_collector, make_env
 from grpo.inference import TransformersInference
 from grpo.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
@@ -17,15 +19,21 @@ from grpo.run import make_optimizer, make_scheduler
 from grpo.step import GRPOSettings, GRPOStep
 
 MAX_NEW_TOKENS = 48
+ONE_STEP = [f"inference_model.max_new_tokens={MAX_NEW_TOKENS}", "optimizer.warmup_steps=1", "env.repeats=4",
+            "env.num_envs=8", "train.dialog_turns_per_batch=8", "train.optim_batch_size=8"]
+SETUPS = {  # model -> (its folder's fixture, config, overrides)
+    "smollm2-135m": ("real_model_dir", "grpo_ifeval_tiny", []),
+    # micro-batches of 2 and gradient checkpointing: one micro-batch of 8 with full logits was killed at 24 GB
+    "qwen2.5-coder-0.5b": ("real_qwen_dir", "grpo_qwen05b", [
+        "allow_cpu=true", f"env.dataset={TINY_DATA}", "train.gradient_accumulation_steps=4",
+        "env.system_prompt='Answer with the final number only, as: The answer is N.'"]),
+}
 
 
-@pytest.fixture(scope="module")
-def real_step(real_model_dir):
-    cfg = compose("grpo_ifeval_tiny", [
-        f"model.name={real_model_dir}", "env.repeats=4", "env.num_envs=8", "train.dialog_turns_per_batch=8",
-        "train.optim_batch_size=8",
-        f"inference_model.max_new_tokens={MAX_NEW_TOKENS}", "optimizer.warmup_steps=1",
-    ])
+@pytest.fixture(scope="module", params=sorted(SETUPS))
+def real_step(request):
+    model_fixture, config, overrides = SETUPS[request.param]
+    cfg = compose(config, [f"model.name={request.getfixturevalue(model_fixture)}", *ONE_STEP, *overrides])
     cpu = torch.device("cpu")
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.name)

@@ -59,7 +59,7 @@ def test_format(response, ok):
     assert is_well_formatted(response) is ok
 
 
-# --- reward.answer_extraction: tag (strict) or last_number ---------------------------------
+# --- reward.answer_extraction: flexible, strict or tag ----------------------------------------
 
 TINY_REF = "3 + 5 = 8\n#### 8"
 
@@ -81,24 +81,25 @@ def _score(reward, replies, references):
     reward.in_keys = [("history", "full"), "answer"]  # what the env's input mode sets
     td = TensorDict({("history", "full"): history}, batch_size=(n,))
     nxt = reward._step(td, TensorDict(answer=list(references), batch_size=(n,)))
-    return {key: nxt[key].view(-1).tolist() for key in ("reward", "success", "reward_answer", "reward_think")}
+    return {key: nxt[key].view(-1).tolist() for key in ("reward", "success", "reward_answer", "reward_think",
+                                                        "correct_strict", "correct_flexible", "marked_answer")}
 
 
 def _one(reward, reply, reference=TINY_REF):
     return {key: values[0] for key, values in _score(reward, [reply], [reference]).items()}
 
 
-# reply -> (tag: reward, success, reward_answer), (last_number: reward, success, reward_answer)
+# reply -> (tag: reward, success, reward_answer), (flexible: reward, success, reward_answer); format bonus 0.1
 SCORING_CASES = [
-    # <answer> present: both modes read it
+    # <answer> present: both modes read it (flexible: it is the last explicit final answer)
     ("<think>3 + 5 = 8</think><answer>8</answer>", (1.1, True, 1.0), (1.1, True, 1.0)),
     ("<think>3 + 5 = 9</think><answer>9</answer>", (0.1, False, 1.0), (0.1, False, 1.0)),
     ("<answer>The answer is $8.00.</answer>", (1.0, True, 1.0), (1.0, True, 1.0)),
-    # the tag wins over a later number, and over a tag that holds no number
+    # the tag wins over a later number; a tag without a number leaves flexible the last number
     ("<answer>9</answer> Actually it is 8", (0.0, False, 1.0), (0.0, False, 1.0)),
-    ("<think>3 + 5 = 8</think><answer>eight</answer>", (0.1, False, 1.0), (0.1, False, 0.0)),
-    ("<think>8</think><answer></answer>", (0.1, False, 0.0), (0.1, False, 0.0)),
-    # no tag: only last_number finds an answer
+    ("<think>3 + 5 = 8</think><answer>eight</answer>", (0.1, False, 1.0), (1.1, True, 1.0)),
+    ("<think>8</think><answer></answer>", (0.1, False, 0.0), (1.1, True, 1.0)),
+    # no tag: only flexible finds an answer
     ("3 + 5 = 8", (0.0, False, 0.0), (1.0, True, 1.0)),
     ("3 + 5 = 8, so the answer is 8.", (0.0, False, 0.0), (1.0, True, 1.0)),
     ("I think it is 8, no wait, 9.", (0.0, False, 0.0), (0.0, False, 1.0)),
@@ -115,13 +116,13 @@ SCORING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("mode", ["tag", "last_number"])
+@pytest.mark.parametrize("mode", ["tag", "flexible"])
 @pytest.mark.parametrize("reply, tag_expected, last_expected", SCORING_CASES)
 def test_answer_extraction_scoring(tiny_tok, mode, reply, tag_expected, last_expected):
     from grpo.rewards import GSM8KReward
 
     reward_value, success, answer = tag_expected if mode == "tag" else last_expected
-    got = _one(GSM8KReward(tiny_tok, answer_extraction=mode), reply)
+    got = _one(GSM8KReward(tiny_tok, answer_extraction=mode, format_reward=0.1), reply)
     assert got["reward"] == pytest.approx(reward_value)
     assert got["success"] is success
     assert got["reward_answer"] == answer
@@ -137,10 +138,10 @@ def test_answer_extraction_scoring(tiny_tok, mode, reply, tag_expected, last_exp
     ("It costs $1,200 and 3 cents", "#### 1200", False),  # the last number is 3
     ("1,2 or 12?", "#### 12", True),
 ])
-def test_last_number_with_dollars_and_commas(tiny_tok, reply, reference, correct):
+def test_flexible_reads_numbers_with_dollars_and_commas(tiny_tok, reply, reference, correct):
     from grpo.rewards import GSM8KReward
 
-    got = _one(GSM8KReward(tiny_tok, answer_extraction="last_number"), reply, reference)
+    got = _one(GSM8KReward(tiny_tok, answer_extraction="flexible"), reply, reference)
     assert got["success"] is correct
     assert got["reward"] == pytest.approx(1.0 if correct else 0.0)
     assert got["reward_answer"] == 1.0
@@ -155,7 +156,7 @@ def test_special_tokens_with_digits_never_count(tiny_model_dir):
     specials = special_tokens(tok)
     assert {"<|im_end|>", "<|endoftext|>", "<|im_start|>", "<|reserved_special_token_7|>"} <= set(specials)
     assert not {"<think>", "</think>", "<answer>", "</answer>"} & set(specials)  # added, but reply text
-    reward = GSM8KReward(tok, answer_extraction="last_number")
+    reward = GSM8KReward(tok, answer_extraction="flexible")
     assert _one(reward, "So 8<|reserved_special_token_7|><|im_end|>")["success"] is True
     assert _one(reward, "So 8 <|reserved_special_token_7|> apples")["success"] is True
     nothing = _one(reward, "Nothing<|reserved_special_token_7|>")
@@ -168,7 +169,7 @@ def test_batch_and_think_outputs(tiny_tok):
     replies = ["3 + 5 = 8", "<think>3 + 5</think><answer>8</answer>", "no", "<think>5 + 3 = 8</think> 8<|im_end|>"]
     refs = [TINY_REF, TINY_REF, TINY_REF, "#### 8"]
     tag = _score(GSM8KReward(tiny_tok, answer_extraction="tag", format_reward=0.5), replies, refs)
-    last = _score(GSM8KReward(tiny_tok, answer_extraction="last_number", format_reward=0.5), replies, refs)
+    last = _score(GSM8KReward(tiny_tok, answer_extraction="flexible", format_reward=0.5), replies, refs)
     assert tag["reward_answer"] == [0.0, 1.0, 0.0, 0.0]  # eval/answer_rate 0.25
     assert last["reward_answer"] == [1.0, 1.0, 0.0, 1.0]  # eval/answer_rate 0.75
     assert tag["reward"] == pytest.approx([0.0, 1.5, 0.0, 0.0])
@@ -176,17 +177,17 @@ def test_batch_and_think_outputs(tiny_tok):
     assert tag["reward_think"] == last["reward_think"] == [0.0, 1.0, 0.0, 1.0]
 
 
-@pytest.mark.parametrize("bad", ["last-number", "TAG", "", None])
+@pytest.mark.parametrize("bad", ["last_number", "TAG", "", None])
 def test_bad_answer_extraction_is_refused(tiny_tok, bad):
     from grpo.rewards import GSM8KReward
 
-    with pytest.raises(ValueError, match=r"reward\.answer_extraction.*'tag'.*'last_number'"):
+    with pytest.raises(ValueError, match=r"reward\.answer_extraction.*'flexible'.*'strict'.*'tag'"):
         GSM8KReward(tiny_tok, answer_extraction=bad)
 
 
 @pytest.mark.parametrize("mode, rewards, answered", [
     ("tag", [0.0, 0.1, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]),
-    ("last_number", [1.0, 0.1, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]),
+    ("flexible", [1.0, 0.1, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0]),
 ])
 def test_env_reward_follows_answer_extraction(mode, rewards, answered):
     """The real GSM8K env, built from the composed config, stepped with hand-written replies."""
@@ -205,7 +206,7 @@ def test_env_reward_follows_answer_extraction(mode, rewards, answered):
     # test.jsonl rows 0 and 1, each twice: 19 + 6 = 25, 4 * 2 = 8
     assert [a.rsplit("#### ", 1)[1] for a in td["answer"]] == ["25", "25", "8", "8"]
     replies = [
-        "19 + 6 = 25<|im_end|>",  # no tags: right under last_number only
+        "19 + 6 = 25<|im_end|>",  # no tags: right under flexible only
         "<think>19 + 6 = 24</think><answer>24</answer><|im_end|><|endoftext|>",  # tag wins; wrong but formatted
         "4 * 2 is 8 eggs.",
         "I do not know.<|im_end|>",
@@ -218,3 +219,39 @@ def test_env_reward_follows_answer_extraction(mode, rewards, answered):
     assert nxt["reward_answer"].view(-1).tolist() == answered
     assert nxt["success"].view(-1).tolist() == [r == 1.0 for r in rewards]
     assert nxt["done"].all()
+
+
+# reply -> (strict answer right, flexible answer right, has an explicit final answer); the reference is 8
+FINAL_ANSWER_CASES = [
+    ("3 + 5 = 8. #### 8", (True, True, True)),
+    ("So she has 3 + 5 = 8 apples.\n\n#### 8<|im_end|>", (True, True, True)),
+    ("The total is \\boxed{8}.", (True, True, True)),
+    ("Final answer: $\\boxed{\\$8.00}$", (True, True, True)),
+    ("The answer is 8. Check: 3 + 5 = 8, and 2 apples are left.", (True, True, True)),  # the marked 8, not the 2
+    ("**Final Answer:** 8 apples", (True, True, True)),
+    ("<answer>8</answer>", (True, True, True)),
+    ("The answer is 9.\n#### 8", (True, True, True)),  # the last explicit answer wins
+    ("#### 8\nWait, the answer is 9.", (False, False, True)),
+    ("3 + 5 = 8", (False, True, False)),  # no explicit answer: flexible only
+    ("The answer is unclear; maybe 8", (False, True, False)),  # a mark holding no number is none
+    ("#### eight, 3 + 5 = 7", (False, False, False)),
+    ("\\boxed{1{,}208} or 8?", (False, False, True)),
+]
+
+
+@pytest.mark.parametrize("reply, expected", FINAL_ANSWER_CASES)
+def test_strict_and_flexible_answers(tiny_tok, reply, expected):
+    from grpo.rewards import GSM8KReward
+
+    for mode in ("strict", "flexible"):
+        got = _one(GSM8KReward(tiny_tok, answer_extraction=mode), reply, "#### 8")
+        assert (got["correct_strict"], got["correct_flexible"], got["marked_answer"]) == expected
+        assert got["success"] is expected[0 if mode == "strict" else 1]
+        assert got["reward"] == pytest.approx(float(got["success"]))  # no format reward by default: right answers only
+
+
+def test_boxed_thousands_in_latex(tiny_tok):
+    from grpo.rewards import GSM8KReward
+
+    got = _one(GSM8KReward(tiny_tok, answer_extraction="strict"), "So \\boxed{1{,}208}", "#### 1208")
+    assert got["success"] is True
