@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from grpo.errors import ResumeError
+from grpo.errors import CheckpointError, ResumeError
 from grpo.logger import read_metrics
 
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.json$")
@@ -103,6 +104,14 @@ def _write_durably(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
+def check_free_space(folder: Path, need: int, what: str) -> None:
+    """Refuse to start a write of ``need`` bytes into ``folder`` that its disk cannot hold."""
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise CheckpointError(f"{what} needs {need / 2**30:.2f} GiB and {folder} has {free / 2**30:.2f} GiB free; free "
+                              f"{(need - free) / 2**30:.2f} GiB (older run dirs, logging.keep_last=1) and resume.")
+
+
 def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, counters: dict,
                     resolved_config: dict, extra: dict | None = None, keep_last: int | None = None,
                     rng: dict | None = None) -> Path:
@@ -132,9 +141,21 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, c
         record[key] = value
     for stale in ckpt_dir.glob("step_*.tmp"):  # left by a run killed mid-write
         stale.unlink()
+    bad = [name for name, t in tensors.items() if name.startswith("model") and t.is_floating_point()
+           and not bool(t.isfinite().all())]
+    if bad:  # a checkpoint of ruined weights would prune the good ones (keep_last)
+        raise CheckpointError(f"step {step}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}); no "
+                              f"checkpoint written, the earlier ones in {ckpt_dir} are kept.")
+    need = sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20  # + the JSON, generously
+    check_free_space(ckpt_dir, need, f"the checkpoint of step {step}")
 
     tmp = ckpt_dir / f"step_{step:08d}.safetensors.tmp"
-    _write_durably(tmp, lambda p: save_file(tensors, p))
+    try:
+        _write_durably(tmp, lambda p: save_file(tensors, p))
+    except OSError as err:  # a full disk mid-write: free what was written, keep the older checkpoints
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"the checkpoint of step {step} could not be written to {ckpt_dir} ({err}); it needs "
+                              f"{need / 2**30:.2f} GiB. The earlier checkpoints there are kept.") from err
     digest = _sha256(tmp)
     tensors_file = ckpt_dir / f"step_{step:08d}.{digest[:16]}.safetensors"
     os.replace(tmp, tensors_file)  # a new name: the JSON of an earlier save of this step still points at its own
@@ -213,6 +234,31 @@ def check_resumable(path: Path, payload, cfg) -> None:
         if was != now:
             raise ResumeError(f"resume: {path} was made with {section}.{key}={was!r}, this run has {now!r}; pass "
                               f"{section}.{key} as it was, or start without resume.")
+    if cfg.train.total_steps == 0:  # evaluation only: nothing is trained on, any config may read the weights
+        return
+    changed = [f"{key}={_select(saved, key)!r} -> {_select(now, key)!r}" for now in [OmegaConf.to_container(cfg, resolve=True)]
+               for key in meaning_keys(cfg) if _select(saved, key) != _select(now, key)]
+    if changed and cfg.resume_allow_changes:
+        warnings.warn(f"resume: {path} continues with a changed meaning (resume_allow_changes=true): {'; '.join(changed)}")
+    elif changed:
+        raise ResumeError(f"resume: this run changes what {path}'s run means ({'; '.join(changed)}): its prompt stream, "
+                          "learning-rate schedule or data would not be the ones it was trained with. Pass them as they "
+                          "were, or resume_allow_changes=true to continue anyway.")
+
+
+def meaning_keys(cfg) -> list[str]:
+    """What a resumed run may not change unasked: the data and its order, the batch the prompt stream counts
+    in, the learning-rate schedule (with a cosine schedule, its length: train.total_steps)."""
+    keys = ["env.task", "env.dataset", "env.train_split", "env.repeats", "env.system_prompt",
+            "train.dialog_turns_per_batch", "train.epochs", "optimizer.lr", "optimizer.schedule",
+            "optimizer.warmup_steps", "optimizer.min_lr_ratio"]
+    return keys + (["train.total_steps"] if cfg.optimizer.schedule == "cosine" else [])
+
+
+def _select(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def restore_training_state(payload: dict, *, model, optimizer, scheduler) -> None:

@@ -73,12 +73,16 @@ def validate_config(cfg) -> None:
          f"{t.gradient_accumulation_steps} must divide train.optim_batch_size={t.optim_batch_size}.")
     need(type(t.total_steps) is int and t.total_steps >= 0, f"train.total_steps={t.total_steps!r} must be a whole "
          "number >= 0 (0 = evaluate only: model.name, or resume='s checkpoint).")
+    need(isinstance(cfg.resume_allow_changes, bool), f"resume_allow_changes={cfg.resume_allow_changes!r} must be true or "
+         "false.")
     need(isinstance(cfg.logging.export, bool), f"logging.export={cfg.logging.export!r} must be true or false.")
     need(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1.")
     need(0 <= t.clip_epsilon_low < 1 and t.clip_epsilon_high >= 0, "train.clip_epsilon_low must be in [0, 1) and "
          "train.clip_epsilon_high >= 0 (e.g. 0.2 and 0.28).")
     need(t.inference_is_cap is None or t.inference_is_cap >= 1, f"train.inference_is_cap={t.inference_is_cap} must be "
          ">= 1 (the largest weight a token may get) or null (off).")
+    need(t.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={t.on_nonfinite!r}; use stop (end the run before a "
+         "NaN/inf gradient reaches the weights) or skip (skip that optimiser step and go on).")
     need(t.aggregation in ("token_mean", "prompt_mean"), f"train.aggregation={t.aggregation!r}; use token_mean or prompt_mean.")
     need(t.loss_variant in ("grpo", "dr_grpo", "gspo"), f"train.loss_variant={t.loss_variant!r}; use grpo, dr_grpo or gspo.")
     need(not (t.loss_variant == "gspo" and t.inference_is_cap is not None), "train.loss_variant=gspo weighs whole "

@@ -12,6 +12,7 @@ functions alone (``reward.functions``, grpo.user_rewards), which the other two a
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 
 from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -24,7 +25,7 @@ from grpo.data import StreamLoader, data_primer, load_split
 from grpo.errors import DataError
 from grpo.ifeval import load_ifeval_rows, make_ifeval_env
 from grpo.models import wrapper_chat_template
-from grpo.rewards import GSM8KReward, parse_number, reference_answer
+from grpo.rewards import GSM8KReward, parse_number, reference_answer, special_tokens
 from grpo.user_rewards import UserRewards, load_reward_functions, offered_arguments
 
 
@@ -159,6 +160,24 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
                 f"template and system prompt included), which with {key}={reply} exceeds "
                 f"inference_model.max_model_len={im.max_model_len}{more}; raise inference_model.max_model_len to at "
                 f"least {max(counts[j] for j in too_long) + reply}, or shorten or drop the row.")
+
+
+def check_prompt_text(cfg, tokenizer, splits: dict) -> None:
+    """No prompt text may hold the tokenizer's special tokens: ``<|im_end|>\\n<|im_start|>assistant`` in a
+    question reaches the policy as real chat-control ids, so any row could forge turns. Such rows are
+    refused, by row, rather than rewritten: the data is the user's to fix."""
+    specials = [t for t in special_tokens(tokenizer) if t]
+    found = re.compile("|".join(map(re.escape, specials)))
+    column = prompt_column(cfg)
+    for split, rows in splits.items():
+        prompts = rows[column] if hasattr(rows, "column_names") else [row[column] for row in rows]
+        for i, prompt in enumerate(prompts):
+            match = found.search(prompt)
+            if match:
+                raise DataError(
+                    f"env.dataset={cfg.env.dataset!r} split {split!r} row {i}: its {column!r} text holds "
+                    f"{match.group(0)!r}, a special token of the model's tokenizer, which would be read as a chat "
+                    "control token (a forged turn); remove it from the row, or write it another way.")
 
 
 class IFEvalTask:

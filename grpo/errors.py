@@ -35,6 +35,14 @@ class ResumeError(UserError, ValueError):
     """``resume=`` names nothing usable."""
 
 
+class CheckpointError(UserError, OSError):
+    """A checkpoint that must not or cannot be written: non-finite weights, or no room on its disk."""
+
+
+class NonFiniteError(UserError, ArithmeticError):
+    """A reward, loss or gradient that is not a finite number: the optimiser step it would feed is not taken."""
+
+
 class ExportError(UserError, ValueError):
     """``python -m grpo.export`` got a checkpoint it cannot read or an output folder it must not fill."""
 

@@ -37,16 +37,25 @@ def export_model(model, tokenizer, out_dir) -> Path:
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    with no_progress_bar():  # a bar for writing one file
-        base.save_pretrained(partial, state_dict=inference_state_dict(model))  # HF names, LoRA merged
-    served = copy.copy(tokenizer)  # the run's tokenizer keeps its own template
-    # TorchRL renders prompts with its template for the model family, which may not be the tokenizer's
-    served.chat_template = wrapper_chat_template(tokenizer) or tokenizer.chat_template
-    served.save_pretrained(partial)
-    generation = copy.deepcopy(base.generation_config)
-    generation.eos_token_id = stop_token_ids(tokenizer, base.generation_config)  # the ids rollouts stopped at
-    generation.pad_token_id = tokenizer.pad_token_id  # may be one load_tokenizer added
-    generation.save_pretrained(partial)
+    state = inference_state_dict(model)  # HF names, LoRA merged
+    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        raise ExportError(f"{len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}): no export written to {out_dir}.")
+    try:
+        with no_progress_bar():  # a bar for writing one file
+            base.save_pretrained(partial, state_dict=state)
+        served = copy.copy(tokenizer)  # the run's tokenizer keeps its own template
+        # TorchRL renders prompts with its template for the model family, which may not be the tokenizer's
+        served.chat_template = wrapper_chat_template(tokenizer) or tokenizer.chat_template
+        served.save_pretrained(partial)
+        generation = copy.deepcopy(base.generation_config)
+        generation.eos_token_id = stop_token_ids(tokenizer, base.generation_config)  # the ids rollouts stopped at
+        generation.pad_token_id = tokenizer.pad_token_id  # may be one load_tokenizer added
+        generation.save_pretrained(partial)
+    except OSError as err:  # a full disk: no half-written export left behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise ExportError(f"the export to {out_dir} could not be written ({err}); free space and run "
+                          "python -m grpo.export <run dir> <out> (the checkpoints are kept).") from err
     os.replace(partial, out_dir)  # onto an empty folder too
     return out_dir
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from grpo import checkpoint as ckpt
 from grpo.config import validate_config, warn_if_too_few_rows
 from grpo.devices import allocate_devices
-from grpo.envs import EVAL_FIELDS, check_prompt_lengths, load_splits, make_env
+from grpo.envs import EVAL_FIELDS, check_prompt_lengths, check_prompt_text, load_splits, make_env
 from grpo.errors import ConfigError, UserError
 from grpo.evaluation import evaluate
 from grpo.export import export_model
@@ -76,6 +76,7 @@ class TrainingRun:
         configure_attention_kernels(cfg)
         self.tokenizer = load_tokenizer(cfg.model.name)
         check_prompt_lengths(cfg, self.tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
+        check_prompt_text(cfg, self.tokenizer, splits)
         self.policy_model = load_policy_model(cfg, self.tokenizer, self.devices.torch_device("train"),
                                               shard_over=self.devices.train)
         ref_model = load_reference_model(cfg, self.tokenizer, self.devices.torch_device("ref"),
@@ -87,6 +88,9 @@ class TrainingRun:
                                  num_envs=min(cfg.eval.batch_size, self.num_eval_problems), shuffle=False)
 
         self.optimizer = make_optimizer(cfg, self.policy_model)
+        if not self.eval_only:  # a disk that cannot hold one checkpoint would lose every step of the run at its end
+            trainable = sum(p.numel() * p.element_size() for p in self.policy_model.parameters() if p.requires_grad)
+            ckpt.check_free_space(Path(self.run_dir), 3 * trainable, "one checkpoint of this run (weights and AdamW)")
         self.scheduler = make_scheduler(cfg, self.optimizer, cfg.train.total_steps * cfg.train.epochs
                                         * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size)
         self.grpo_step = GRPOStep(GRPOSettings.from_config(cfg), policy=self.policy_model, optimizer=self.optimizer,
@@ -184,7 +188,7 @@ class TrainingRun:
         """On success: final eval, checkpoint and export (eval only: the eval alone). On SIGTERM/Ctrl-C:
         checkpoint, then exit non-zero. Either way the run ends with its summary. On any other exception:
         an emergency checkpoint of the last finished step if the weights are whole, then the exception goes on."""
-        exit_code, ended = 1, None
+        exit_code, ended, failing = 1, None, False
         try:
             yield
             self.evaluate_if_due()
@@ -196,7 +200,7 @@ class TrainingRun:
         except StopRequested as stop:
             tqdm.write(f"stopping after step {self.step}: {stop}; writing a checkpoint")
             self.checkpoint_if_due(force=True)
-            ended = f"stopped after step {self.step} ({stop})"
+            ended, failing = f"stopped after step {self.step} ({stop})", True
             raise SystemExit(stop.exit_code)
         except Exception as err:
             failed = f"step {self.step} failed ({type(err).__name__})"
@@ -220,10 +224,21 @@ class TrainingRun:
                     note = f"{failed}; so did its emergency checkpoint ({type(save_err).__name__}: {save_err}); {last}"
             if note:
                 tqdm.write(note, file=sys.stderr)
+            failing = True
+            raise
+        except BaseException:  # KeyboardInterrupt (a second Ctrl-C), SystemExit
+            failing = True
             raise
         finally:
             self.inference.shutdown()
-            self.logger.close(exit_code)  # writes metrics.png
+            try:
+                self.logger.close(exit_code)  # writes metrics.png
+            except Exception as close_err:
+                if not failing:
+                    raise
+                # the error that stopped the run matters more: report this one, let that one go on
+                tqdm.write(f"also: closing the run's logs failed ({type(close_err).__name__}: {close_err})",
+                           file=sys.stderr)
             if ended:
                 print(self.summary(ended), flush=True)
 

@@ -58,7 +58,7 @@ def resolved_config(cfg) -> dict:
 
 
 class StopRequested(Exception):
-    """SIGTERM/SIGINT arrived; raised at the next step boundary so the checkpoint is consistent."""
+    """SIGTERM/SIGHUP/SIGINT arrived; raised at the next step boundary so the checkpoint is consistent."""
 
     def __init__(self, signum: int):
         super().__init__(f"received {signal.Signals(signum).name}")
@@ -66,16 +66,17 @@ class StopRequested(Exception):
 
 
 class StopFlag:
-    """Records SIGTERM (preemption) and a first Ctrl-C; a second Ctrl-C interrupts at once."""
+    """Records SIGTERM (preemption), SIGHUP (the terminal or ssh session closed) and a first Ctrl-C; a second
+    Ctrl-C interrupts at once."""
 
     def __init__(self):
         self.signum: int | None = None
         self.install()
 
     def install(self) -> None:
-        """(Re)claim SIGTERM and SIGINT: ``ray.init`` replaces the SIGTERM handler with one that aborts."""
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
+        """(Re)claim SIGTERM, SIGHUP and SIGINT: ``ray.init`` replaces the SIGTERM handler with one that aborts."""
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame):
         if self.signum == signal.SIGINT and signum == signal.SIGINT:

@@ -11,7 +11,7 @@
                                                            per token (gspo: per reply, geometric mean)
         loss   = -min(ratio A, clip(ratio) A) + c_ref KL_ref + c_inf KL_inf - c_ent H
                                                            dr_grpo: token sum / (replies x max_new_tokens)
-        backward; clip grad norm; optimiser and LR schedule step
+        backward; clip grad norm; optimiser and LR schedule step (a NaN/inf gradient: stop, or skip the step)
 
 Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read
 the config, and it runs the same on one data-parallel rank or many (a rank wraps ``policy`` and
@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 from torchrl.data import ReplayBuffer, SamplerWithoutReplacement, TensorStorage
 
 from grpo.batch import prompt_group_ids, to_training_batch, trim_padding
+from grpo.errors import NonFiniteError
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class GRPOSettings:
     mixed_precision: bool             # bf16 autocast for float32 weights on a GPU
     gradient_checkpointing: bool      # needs train mode while optimising
     compile: bool                     # torch.compile the loss forward
+    on_nonfinite: str = "stop"        # a NaN/inf gradient: stop before the optimiser step, or skip that step
 
     @classmethod
     def from_config(cls, cfg) -> GRPOSettings:
@@ -75,7 +77,8 @@ class GRPOSettings:
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
             accumulation_steps=t.gradient_accumulation_steps, clip_grad_norm=cfg.optimizer.clip_grad_norm,
             mixed_precision=cfg.train_model.mixed_precision,
-            gradient_checkpointing=cfg.train_model.gradient_checkpointing, compile=cfg.train_model.compile)
+            gradient_checkpointing=cfg.train_model.gradient_checkpointing, compile=cfg.train_model.compile,
+            on_nonfinite=t.on_nonfinite)
 
 
 class GRPOStep:
@@ -98,6 +101,11 @@ class GRPOStep:
     def prepare(self, rollouts) -> tuple[TensorDict, dict]:
         t0 = time.perf_counter()
         batch = to_training_batch(rollouts, self.pad_token_id, self.stop_token_ids)
+        bad = int((~batch["reward"].isfinite()).sum())
+        if bad:  # its advantages would be NaN, and so every weight after the update
+            raise NonFiniteError(f"{bad} of the step's {batch.batch_size[0]} rewards are NaN or inf (a reward above "
+                                 "3.4e38 is inf in float32): fix the reward (reward.functions) so it returns finite "
+                                 "numbers; no update was made.")
         metrics = rollout_metrics(rollouts, batch)
         if self.s.overlong_buffer:
             penalty = overlong_penalty(batch["reply_length"], self.s.max_new_tokens, self.s.overlong_buffer,
@@ -133,7 +141,7 @@ class GRPOStep:
         buffer = ReplayBuffer(storage=TensorStorage(batch), sampler=SamplerWithoutReplacement(),
                               batch_size=s.micro_batch_size)
         # device tensors until the end: a .item() per micro-batch would stall the GPU queue
-        sums, grad_norms, n_micro, pre_update_kl = defaultdict(float), [], 0, None
+        sums, grad_norms, n_micro, pre_update_kl, skipped = defaultdict(float), [], 0, None, 0
         with train_mode_if(self.policy, s.gradient_checkpointing):
             for _ in range(s.epochs):
                 for i, micro in enumerate(buffer):
@@ -149,14 +157,25 @@ class GRPOStep:
                     pre_update_kl = terms["kl_to_inference"].detach() if n_micro == 0 else pre_update_kl
                     n_micro += 1
                     if (i + 1) % s.accumulation_steps == 0:
-                        grad_norms.append(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm).detach())
-                        self.optimizer.step()
+                        grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm).detach()
+                        # one host sync per optimiser step: a NaN/inf gradient must never reach the weights
+                        if not bool(grad_norm.isfinite()):
+                            if s.on_nonfinite == "stop":
+                                raise NonFiniteError(
+                                    f"the gradient norm is {float(grad_norm)} (loss {float(weighted_loss(terms, s))}) "
+                                    "before an optimiser step, which was not taken: the weights are as before it. "
+                                    "Lower optimizer.lr, or set train.on_nonfinite=skip to skip such steps.")
+                            skipped += 1
+                        else:
+                            grad_norms.append(grad_norm)
+                            self.optimizer.step()
+                            self.scheduler.step()
                         self.optimizer.zero_grad(set_to_none=True)
-                        self.scheduler.step()
         train_s = time.perf_counter() - t0
         return {name: float(value) / n_micro for name, value in sums.items()} | {
-            "kl_to_inference_pre_update": float(pre_update_kl), "grad_norm": float(sum(grad_norms)) / len(grad_norms),
-            "optim_steps": len(grad_norms), "lr": self.scheduler.get_last_lr()[0], "train_s": train_s,
+            "kl_to_inference_pre_update": float(pre_update_kl),
+            "grad_norm": float(sum(grad_norms)) / len(grad_norms) if grad_norms else float("nan"),
+            "optim_steps": len(grad_norms), "skipped_optim_steps": skipped, "lr": self.scheduler.get_last_lr()[0], "train_s": train_s,
             "train_samples_per_s": batch.batch_size[0] * s.epochs / train_s}
 
 

@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
 from conftest import compose
@@ -113,19 +114,22 @@ def test_sigkill_then_resume_has_no_gap_or_duplicate(straight, tmp_path):
     assert len(flat) == len(set(flat))
 
 
-def test_sigterm_checkpoints_at_step_boundary_and_resumes(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
+def test_sigterm_checkpoints_at_step_boundary_and_resumes(tmp_path, stop):
     proc = subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=50"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 400
     while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and step_rows(tmp_path)):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(stop)
     _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert proc.returncode == 128 + stop, stderr[-3000:]
+    assert f"{stop.name}: finishing this step, then checkpointing" in stderr
     saved = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])
     assert saved["step"] == max(step_rows(tmp_path)) < 50
-    run(tmp_path / "again", f"train.total_steps={saved['step'] + 1}", f"resume={tmp_path}")
+    # one step more than the stopped run made: its cosine schedule changes, which resume refuses unless told
+    run(tmp_path / "again", f"train.total_steps={saved['step'] + 1}", "resume_allow_changes=true", f"resume={tmp_path}")
     assert max(step_rows(tmp_path)) == saved["step"] + 1
 
 
@@ -376,8 +380,8 @@ def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
     payload["config"] = {"model": {"name": "other/model"}, "train_model": {"lora": dict(cfg.train_model.lora)}}
     with pytest.raises(ResumeError, match=r"made with model.name='other/model', this run has .*tiny-model"):
         check_resumable(in_run_dir, payload, cfg)
-    payload["config"]["model"]["name"] = cfg.model.name
-    check_resumable(in_run_dir, payload, cfg)  # the same model, in a run dir: fine
+    payload["config"] = OmegaConf.to_container(cfg, resolve=True)
+    check_resumable(in_run_dir, payload, cfg)  # the same model and run, in a run dir: fine
     with pytest.raises(ResumeError, match=r"is not in a run dir's checkpoints/ folder"):
         check_resumable(tmp_path / "elsewhere" / "step_00000001.json", payload, cfg)  # it would write into its parent
 
