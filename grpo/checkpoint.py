@@ -104,6 +104,11 @@ def _write_durably(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
+def non_finite(tensors: dict) -> list[str]:
+    """The names of the floating-point tensors that hold a NaN or an inf."""
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+
+
 def check_free_space(folder: Path, need: int, what: str) -> None:
     """Refuse to start a write of ``need`` bytes into ``folder`` that its disk cannot hold."""
     free = shutil.disk_usage(folder).free
@@ -141,8 +146,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, c
         record[key] = value
     for stale in ckpt_dir.glob("step_*.tmp"):  # left by a run killed mid-write
         stale.unlink()
-    bad = [name for name, t in tensors.items() if name.startswith("model") and t.is_floating_point()
-           and not bool(t.isfinite().all())]
+    bad = non_finite({name: t for name, t in tensors.items() if name.startswith("model")})
     if bad:  # a checkpoint of ruined weights would prune the good ones (keep_last)
         raise CheckpointError(f"step {step}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}); no "
                               f"checkpoint written, the earlier ones in {ckpt_dir} are kept.")

@@ -12,7 +12,6 @@ functions alone (``reward.functions``, grpo.user_rewards), which the other two a
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 
 from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -25,7 +24,7 @@ from grpo.data import StreamLoader, data_primer, load_split
 from grpo.errors import DataError
 from grpo.ifeval import load_ifeval_rows, make_ifeval_env
 from grpo.models import wrapper_chat_template
-from grpo.rewards import GSM8KReward, parse_number, reference_answer, special_tokens
+from grpo.rewards import GSM8KReward, parse_number, reference_answer, special_token_pattern
 from grpo.user_rewards import UserRewards, load_reward_functions, offered_arguments
 
 
@@ -145,8 +144,7 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     im = cfg.inference_model
     for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
                               (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        rows = splits[split]  # a datasets.Dataset (a column: no per-row decode) or a list of dicts
-        prompts = rows[column] if hasattr(rows, "column_names") else [row[column] for row in rows]
+        prompts = prompt_texts(splits[split], column)
         counts = [len(ids) for ids in tokenizer.apply_chat_template(
             [[*system_turn, {"role": "user", "content": p}] for p in prompts],
             chat_template=template, add_generation_prompt=True, tokenize=True, return_dict=False,
@@ -166,12 +164,10 @@ def check_prompt_text(cfg, tokenizer, splits: dict) -> None:
     """No prompt text may hold the tokenizer's special tokens: ``<|im_end|>\\n<|im_start|>assistant`` in a
     question reaches the policy as real chat-control ids, so any row could forge turns. Such rows are
     refused, by row, rather than rewritten: the data is the user's to fix."""
-    specials = [t for t in special_tokens(tokenizer) if t]
-    found = re.compile("|".join(map(re.escape, specials)))
+    found = special_token_pattern(tokenizer)
     column = prompt_column(cfg)
     for split, rows in splits.items():
-        prompts = rows[column] if hasattr(rows, "column_names") else [row[column] for row in rows]
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompt_texts(rows, column)):
             match = found.search(prompt)
             if match:
                 raise DataError(
@@ -236,6 +232,12 @@ EVAL_FIELDS = {
 def task_system_prompt(cfg) -> str | None:
     """The system turn of every prompt: ``env.system_prompt``, or the task's own when it is null."""
     return TASK_ENVS[cfg.env.task].system_prompt(cfg) if cfg.env.system_prompt is None else cfg.env.system_prompt
+
+
+def prompt_texts(rows, column: str) -> list[str]:
+    """The ``column`` of a split as ``load_split`` returned it: a datasets.Dataset (a column read: no per-row
+    decode) or a list of dicts."""
+    return rows[column] if hasattr(rows, "column_names") else [row[column] for row in rows]
 
 
 def prompt_column(cfg) -> str:

@@ -38,7 +38,7 @@ def export_model(model, tokenizer, out_dir) -> Path:
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     state = inference_state_dict(model)  # HF names, LoRA merged
-    bad = [name for name, t in state.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    bad = ckpt.non_finite(state)
     if bad:
         raise ExportError(f"{len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}): no export written to {out_dir}.")
     try:

@@ -76,19 +76,24 @@ _FINAL_ANSWER_MARKS = (
 )
 
 
+def _numbers_text(text: str) -> str:
+    """``text`` with a unicode minus as ``-`` and LaTeX's ``{,}`` thousands separator as ``,``."""
+    return text.replace("\u2212", "-").replace("{,}", ",")
+
+
 def marked_answer(text: str) -> str | None:
     """The number of the reply's last explicit final answer (see the module docstring), or None."""
     found = []  # (position, number)
     for mark, max_offset in _FINAL_ANSWER_MARKS:
         for match in mark.finditer(text):
-            number = _NUMBER.search(match.group(1).replace("\u2212", "-").replace("{,}", ","))
+            number = _NUMBER.search(_numbers_text(match.group(1)))
             if number is not None and (max_offset is None or number.start() <= max_offset):
                 found.append((match.start(), number.group(0).strip()))
     return max(found)[1] if found else None
 
 
 def last_number(text: str) -> str | None:
-    numbers = _NUMBER.findall(text.replace("\u2212", "-").replace("{,}", ","))
+    numbers = _NUMBER.findall(_numbers_text(text))
     return numbers[-1].strip() if numbers else None
 
 
@@ -108,6 +113,11 @@ def special_tokens(tokenizer) -> tuple[str, ...]:
         decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
         tokens.update(t.content for t in decoder.values() if getattr(t, "special", False))
     return tuple(sorted((t for t in tokens if t), key=len, reverse=True))
+
+
+def special_token_pattern(tokenizer) -> re.Pattern:
+    """A regex matching any of ``special_tokens(tokenizer)``, the longest first."""
+    return re.compile("|".join(map(re.escape, special_tokens(tokenizer))))
 
 
 def strip_trailing_special_tokens(text: str, specials: tuple[str, ...]) -> str:
@@ -149,7 +159,7 @@ class GSM8KReward(GSM8KRewardParser):
         super().__init__(tokenizer=tokenizer, correct_reward=correct_reward, format_reward=format_reward)
         self.answer_extraction = answer_extraction
         self._specials = special_tokens(tokenizer)
-        self._special_re = re.compile("|".join(map(re.escape, self._specials)))
+        self._special_re = special_token_pattern(tokenizer)
         self._last_text: str | None = None
 
     def transform_reward_spec(self, reward_spec):

@@ -188,7 +188,7 @@ class TrainingRun:
         """On success: final eval, checkpoint and export (eval only: the eval alone). On SIGTERM/Ctrl-C:
         checkpoint, then exit non-zero. Either way the run ends with its summary. On any other exception:
         an emergency checkpoint of the last finished step if the weights are whole, then the exception goes on."""
-        exit_code, ended, failing = 1, None, False
+        exit_code, ended = 1, None
         try:
             yield
             self.evaluate_if_due()
@@ -200,7 +200,7 @@ class TrainingRun:
         except StopRequested as stop:
             tqdm.write(f"stopping after step {self.step}: {stop}; writing a checkpoint")
             self.checkpoint_if_due(force=True)
-            ended, failing = f"stopped after step {self.step} ({stop})", True
+            ended = f"stopped after step {self.step} ({stop})"
             raise SystemExit(stop.exit_code)
         except Exception as err:
             failed = f"step {self.step} failed ({type(err).__name__})"
@@ -224,17 +224,13 @@ class TrainingRun:
                     note = f"{failed}; so did its emergency checkpoint ({type(save_err).__name__}: {save_err}); {last}"
             if note:
                 tqdm.write(note, file=sys.stderr)
-            failing = True
-            raise
-        except BaseException:  # KeyboardInterrupt (a second Ctrl-C), SystemExit
-            failing = True
             raise
         finally:
             self.inference.shutdown()
             try:
                 self.logger.close(exit_code)  # writes metrics.png
             except Exception as close_err:
-                if not failing:
+                if exit_code == 0:  # nothing else went wrong: this is the run's error
                     raise
                 # the error that stopped the run matters more: report this one, let that one go on
                 tqdm.write(f"also: closing the run's logs failed ({type(close_err).__name__}: {close_err})",

@@ -61,7 +61,7 @@ class GRPOSettings:
     mixed_precision: bool             # bf16 autocast for float32 weights on a GPU
     gradient_checkpointing: bool      # needs train mode while optimising
     compile: bool                     # torch.compile the loss forward
-    on_nonfinite: str = "stop"        # a NaN/inf gradient: stop before the optimiser step, or skip that step
+    on_nonfinite: str                 # a NaN/inf gradient: stop before the optimiser step, or skip that step
 
     @classmethod
     def from_config(cls, cfg) -> GRPOSettings:
@@ -175,7 +175,8 @@ class GRPOStep:
         return {name: float(value) / n_micro for name, value in sums.items()} | {
             "kl_to_inference_pre_update": float(pre_update_kl),
             "grad_norm": float(sum(grad_norms)) / len(grad_norms) if grad_norms else float("nan"),
-            "optim_steps": len(grad_norms), "skipped_optim_steps": skipped, "lr": self.scheduler.get_last_lr()[0], "train_s": train_s,
+            "optim_steps": len(grad_norms), "skipped_optim_steps": skipped, "lr": self.scheduler.get_last_lr()[0],
+            "train_s": train_s,
             "train_samples_per_s": batch.batch_size[0] * s.epochs / train_s}
 
 
@@ -347,13 +348,13 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     entropy_grad = entropy_grad and torch.is_grad_enabled()
     positions = max(1, LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
     flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
+    # one chunk, or no backward: nothing to save, so no recompute
+    recompute = flat_targets.shape[0] > positions and torch.is_grad_enabled()
     chunks = []
     for start in range(0, flat_targets.shape[0], positions):
         args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], with_entropy,
                 entropy_grad)
-        one_chunk = flat_targets.shape[0] <= positions  # nothing to save: no recompute
-        chunks.append(_head_log_probs(*args) if one_chunk or not torch.is_grad_enabled()
-                      else checkpoint(_head_log_probs, *args, use_reentrant=False))
+        chunks.append(checkpoint(_head_log_probs, *args, use_reentrant=False) if recompute else _head_log_probs(*args))
     # a model split over GPUs returns hidden states on its last one; the batch lives on the first
     token_lp = torch.cat([lp for lp, _ in chunks]).view_as(targets).to(input_ids.device)
     if not with_entropy:
