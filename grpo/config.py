@@ -97,6 +97,9 @@ def validate_config(cfg) -> None:
          f"number of tokens in [0, inference_model.max_new_tokens={im.max_new_tokens}] (0 = no overlong penalty).")
     need(isinstance(penalty, (int, float)) and not isinstance(penalty, bool) and math.isfinite(penalty) and penalty >= 0,
          f"reward.overlong_penalty={penalty!r} must be a number >= 0 (the reward lost at max_new_tokens).")
+    timeout = cfg.reward.timeout_s
+    need(isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0, f"reward.timeout_s="
+         f"{timeout!r} must be a number of seconds > 0 (how long one call of a reward function may take).")
     need(cfg.inference_model.backend in ("transformers", "vllm"), f"inference_model.backend="
          f"{cfg.inference_model.backend!r}; use transformers or vllm.")
     need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")

@@ -43,6 +43,10 @@ class NonFiniteError(UserError, ArithmeticError):
     """A reward, loss or gradient that is not a finite number: the optimiser step it would feed is not taken."""
 
 
+class RewardTimeout(UserError, TimeoutError):
+    """A call of a user's reward function ran past ``reward.timeout_s``: the run stops rather than hang on it."""
+
+
 class ExportError(UserError, ValueError):
     """``python -m grpo.export`` got a checkpoint it cannot read or an output folder it must not fill."""
 

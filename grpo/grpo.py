@@ -20,6 +20,7 @@ from grpo.dynamic_sampling import draw_step_batch  # noqa: E402
 from grpo.envs import make_collector, make_env  # noqa: E402
 from grpo.run import TrainingRun  # noqa: E402
 from grpo.setup import hydra_main  # noqa: E402
+from grpo.user_rewards import take_reward_seconds  # noqa: E402
 
 
 def train(cfg) -> TrainingRun:
@@ -49,7 +50,8 @@ def train(cfg) -> TrainingRun:
             ledger.consume(taken)
             taken.clear()
             metrics["weight_sync_s"] = run.inference.push_weights(run.policy_model, run.policy_version)
-            run.log_step(step, metrics | filtering | {"generation_s": t_gen}, t0)
+            timings = {"generation_s": t_gen, "reward_s": take_reward_seconds(env)}  # reward_s: part of generation_s
+            run.log_step(step, metrics | filtering | timings, t0)
             run.evaluate_if_due()
             run.checkpoint_if_due()
     collector.shutdown()

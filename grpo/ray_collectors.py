@@ -31,8 +31,9 @@ from grpo.errors import UserError
 from grpo.generation import weights_checksum
 from grpo.models import torch_dtype
 from grpo.setup import ray_pythonpath
+from grpo.user_rewards import take_reward_seconds
 
-GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s")
+GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s")
 
 
 @ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
@@ -75,6 +76,7 @@ class RolloutWorker:
         self._apply_pending_weights(stats)
         serve_from(self.env, self.collector, batch_index)
         batch = next(self.batches).reshape(-1)
+        stats["reward_s"] = take_reward_seconds(self.env)
         stats["replies"] = batch.numel()
         stats["tokens"] = sum(s["tokens", "response"].shape[-1] for s in batch.unbind(0))
         self._idle_since = time.perf_counter()
@@ -271,6 +273,7 @@ class RolloutPool:
             "trainer_wait_s": since["trainer_wait_s"],
             "collector_wait_s": since["idle_s"] + since["weight_apply_s"],
             "collector_weight_apply_s": since["weight_apply_s"],
+            "reward_s": since["reward_s"],  # in the workers' reward functions, summed over the batches taken
             "collector_version_min": min(self.versions.values()),
             "weight_pushes_verified": self.pushes["verified"], "weight_pushes_mismatched": self.pushes["mismatched"],
             "worker_restarts": self.restarts,

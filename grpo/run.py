@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from grpo import checkpoint as ckpt
@@ -26,7 +27,8 @@ from grpo.inference import make_inference
 from grpo.logger import RunLogger, profile_to, read_metrics, reply_samples
 from grpo.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
                          stop_token_ids)
-from grpo.setup import REPO_ROOT, StopFlag, StopRequested, resolve_local_paths, resolved_config, seed_everything
+from grpo.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths, resolved_config,
+                        seed_everything, write_hydra_record)
 from grpo.step import GRPOSettings, GRPOStep
 
 
@@ -39,6 +41,7 @@ class TrainingRun:
     own engine (used for eval only) sits on the training GPU; otherwise it generates the rollouts."""
 
     def __init__(self, cfg, *, inference_engines: int, dedicated_inference: bool):
+        task_config = OmegaConf.to_yaml(cfg)  # as Hydra composed it: the run dir's .hydra/config.yaml
         resolve_local_paths(cfg)
         validate_config(cfg)
         splits = load_splits(cfg)  # bad data, and reward functions that cannot take its rows, stop here
@@ -48,8 +51,9 @@ class TrainingRun:
         self.devices = allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)
         print(self.devices.describe(), flush=True)
         seed_everything(cfg.seed)
-        self.stop_flag = StopFlag()
         self.run_dir, self.resume_payload = HydraConfig.get().runtime.output_dir, None
+        self.last_checkpoint = None  # (step, path) of the newest checkpoint this run can continue from
+        self.stop_flag = StopFlag(self.last_checkpoint_note)
         # train.total_steps=0 evaluates model.name or resume='s checkpoint in a run dir of its own, and trains nothing
         self.eval_only = cfg.train.total_steps == 0
         if cfg.resume:
@@ -58,19 +62,33 @@ class TrainingRun:
                 overrides=list(HydraConfig.get().overrides.task),
                 search_roots=[REPO_ROOT / "outputs", REPO_ROOT / "multirun"])
             ckpt.check_resumable(ckpt_path, self.resume_payload, cfg)
+            self.last_checkpoint = (self.resume_payload["step"], ckpt_path)
         if cfg.resume and not self.eval_only:
             # continue in the original run dir: its metrics, checkpoints and wandb run
             self.run_dir = str(ckpt_path.parent.parent)
+        self.run_dir_claim = RunDirClaim(Path(self.run_dir))  # before this run writes anything into it
+        try:
+            self._start(cfg, splits, task_config, dedicated_inference=dedicated_inference)
+        except BaseException:
+            self.run_dir_claim.release()
+            raise
+
+    def _start(self, cfg, splits: dict, task_config: str, *, dedicated_inference: bool) -> None:
+        """The rest of the start, in the run dir this run holds: checks, models, optimiser, logger."""
+        payload = self.resume_payload
+        if payload and not self.eval_only:  # its .hydra/ stays that of the command that started it (resume=auto's match)
             for rows in ("metrics.jsonl", "samples.jsonl"):
-                ckpt.truncate_metrics(Path(self.run_dir) / rows, self.resume_payload["step"])
-            print(f"resuming from {ckpt_path} (step {self.resume_payload['step']}) into {self.run_dir}", flush=True)
+                ckpt.truncate_metrics(Path(self.run_dir) / rows, payload["step"])
+            print(f"resuming from {self.last_checkpoint[1]} (step {payload['step']}) into {self.run_dir}", flush=True)
         elif (Path(self.run_dir) / "metrics.jsonl").exists():
             raise ConfigError(f"hydra.run.dir={self.run_dir} already holds a run (its metrics.jsonl and checkpoints "
                               f"would be mixed with this one's); pass resume={self.run_dir} to continue it, or another "
                               "hydra.run.dir.")
+        else:
+            write_hydra_record(Path(self.run_dir), task_config)
         if self.eval_only:
-            print(f"train.total_steps=0: evaluating {ckpt_path if cfg.resume else cfg.model.name} only, into "
-                  f"{self.run_dir}", flush=True)
+            print(f"train.total_steps=0: evaluating {self.last_checkpoint[1] if payload else cfg.model.name} only, "
+                  f"into {self.run_dir}", flush=True)
         self.resolved_config = resolved_config(cfg) | {"device_allocation": self.devices.as_dict()}
 
         configure_attention_kernels(cfg)
@@ -101,7 +119,6 @@ class TrainingRun:
         self.last_eval_step = None
         self.checkpoint_extras = dict  # a script's own state to checkpoint (sync: its prompt stream)
         self._postfix: dict = {}
-        payload = self.resume_payload
         self.logger = RunLogger(self.run_dir, cfg, self.resolved_config,
                                 wandb_run_id=payload.get("wandb_run_id") if payload and not self.eval_only else None)
         event = "eval_only" if self.eval_only else "resume" if payload else "start"
@@ -118,7 +135,6 @@ class TrainingRun:
         self.completed_step, self.completed_rng = self.step, None
         self.half_updated = False  # an optimiser step ran in a GRPO step whose update has not finished
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
-        self.last_checkpoint = (self.step, ckpt_path) if payload else None
         self.export_dir = None  # written when the run finishes
 
     def steps(self):
@@ -204,8 +220,8 @@ class TrainingRun:
             raise SystemExit(stop.exit_code)
         except Exception as err:
             failed = f"step {self.step} failed ({type(err).__name__})"
-            saved, path = self.last_checkpoint or (None, None)
-            last = f"the last checkpoint is {path} (resume={self.run_dir})" if path else "this run has no checkpoint"
+            saved = self.last_checkpoint[0] if self.last_checkpoint else None
+            last = self.last_checkpoint_note()
             if self.half_updated:
                 note = f"{failed} inside the optimiser update: no emergency checkpoint of half-updated weights; {last}"
             elif not all(p.isfinite().all() for group in self.optimizer.param_groups for p in group["params"]):
@@ -237,6 +253,12 @@ class TrainingRun:
                            file=sys.stderr)
             if ended:
                 print(self.summary(ended), flush=True)
+            self.run_dir_claim.release()
+
+    def last_checkpoint_note(self) -> str:
+        """Where the run can be continued from, for a line saying how it ended."""
+        path = self.last_checkpoint[1] if self.last_checkpoint else None
+        return f"the last checkpoint is {path} (resume={self.run_dir})" if path else "this run has no checkpoint"
 
     def export(self) -> None:
         """``<run dir>/export``: the policy as a Hugging Face folder (a resumed run's replaces the earlier one)."""

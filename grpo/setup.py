@@ -1,20 +1,24 @@
-"""Start-of-run plumbing shared by both scripts: paths, seeds and signals."""
+"""Start-of-run plumbing shared by both scripts: paths, the run dir, seeds and signals."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import signal
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
 import numpy as np
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
-from grpo.errors import clear_errors
+from grpo.errors import ConfigError, clear_errors
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,6 +51,46 @@ def resolve_local_paths(cfg) -> None:
                 cfg[section][key] = str(candidate)
 
 
+class RunDirClaim:
+    """This process's hold on a run dir for the run's life: an exclusive lock on its ``.run.lock``.
+
+    Two runs started in one second shared a run dir once: both passed the "already holds a run"
+    check before either wrote its metrics. A lock cannot race, and the OS drops it when the process
+    ends, however it ends, so a crashed run leaves no stale claim behind.
+    """
+
+    def __init__(self, run_dir: Path):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(run_dir / ".run.lock", "a+")  # held open: the lock lasts as long as the file
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise ConfigError(f"{run_dir} is in use by another run ({holder}); let that run finish or stop it, or give "
+                              "this one another hydra.run.dir (by default each run gets a new one).") from None
+        self._file.truncate(0)
+        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")  # who holds it, for a refused run to say
+        self._file.flush()
+
+    def release(self) -> None:
+        self._file.close()  # closing the file drops the lock
+
+
+def write_hydra_record(run_dir: Path, task_config: str) -> None:
+    """The ``.hydra/`` folder Hydra writes into a run dir (the composed config, Hydra's own, the command
+    line's overrides), written by the run once it holds its run dir. Hydra would write it before the
+    run starts, and so over the files of a run already holding that dir, whose recorded overrides are
+    what ``resume=auto`` finds it by: our configs set ``hydra.output_subdir: null``."""
+    hydra_cfg = HydraConfig.instance().cfg
+    folder = run_dir / ".hydra"
+    folder.mkdir(exist_ok=True)
+    for name, text in (("config.yaml", task_config), ("hydra.yaml", OmegaConf.to_yaml(hydra_cfg)),
+                       ("overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))):
+        (folder / name).write_text(text)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -67,10 +111,11 @@ class StopRequested(Exception):
 
 class StopFlag:
     """Records SIGTERM (preemption), SIGHUP (the terminal or ssh session closed) and a first Ctrl-C; a second
-    Ctrl-C interrupts at once."""
+    Ctrl-C stops the run at once, without a checkpoint. ``last_checkpoint``: what the run keeps then, in words."""
 
-    def __init__(self):
+    def __init__(self, last_checkpoint: Callable[[], str]):
         self.signum: int | None = None
+        self.last_checkpoint = last_checkpoint
         self.install()
 
     def install(self) -> None:
@@ -80,7 +125,11 @@ class StopFlag:
 
     def _handle(self, signum, frame):
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            # SystemExit, not KeyboardInterrupt: no traceback of whatever it lands in (40 lines of decode_attention),
+            # and the finally blocks still run (engines and rollout workers shut down, logs closed)
+            print(f"\ninterrupted again: stopping now without a checkpoint; {self.last_checkpoint()}", file=sys.stderr,
+                  flush=True)
+            raise SystemExit(128 + signum)
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then checkpointing and exiting "
               "(Ctrl-C again to stop now, without a checkpoint)", file=sys.stderr, flush=True)

@@ -38,8 +38,15 @@ At start, one ``ConfigError`` naming the entry and the fix: a module or file tha
 import, a function it does not define, a parameter that is none of prompt, reply, answer or a
 column (and has no default), or a function that never sees the reply. At the first call that
 makes one: a return value that is not a number, is NaN or infinite, or (batched) a list of the
-wrong length. An exception the function itself raises keeps its traceback, with a note naming
-the function and the row.
+wrong length; a call that takes longer than ``reward.timeout_s`` (a ``RewardTimeout`` naming the
+function and the row). An exception the function itself raises keeps its traceback, with a note
+naming the function and the row.
+
+Where it runs
+-------------
+In a thread of its own, one per function and batch of replies, while the env waits for each call's
+result (so ``signal.alarm`` and thread-local settings inside a function do not work). The seconds
+spent in them are each step's ``reward_s`` in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -51,7 +58,10 @@ import inspect
 import math
 import numbers
 import os
+import queue
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,9 +70,9 @@ import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDictBase
 from torchrl.data import Composite, Unbounded
-from torchrl.envs import Transform
+from torchrl.envs import Compose, Transform
 
-from grpo.errors import ConfigError
+from grpo.errors import ConfigError, RewardTimeout
 from grpo.rewards import special_tokens, strip_trailing_special_tokens
 from grpo.setup import REPO_ROOT
 
@@ -89,19 +99,55 @@ class RewardFunction:
                 f"{'is' if len(unknown) == 1 else 'are'} none of the arguments {where} offers ({', '.join(offered)}); "
                 "rename the parameter to one of them, give it a default, or take **row.")
 
-    def __call__(self, arguments: list[dict], row_indices: list[int], where: str) -> list[float]:
-        """One number per reply; ``arguments[j]`` is everything offered for reply ``j``."""
+    def __call__(self, arguments: list[dict], row_indices: list[int], where: str, timeout_s: float) -> list[float]:
+        """One number per reply; ``arguments[j]`` is everything offered for reply ``j``. A call taking over
+        ``timeout_s`` seconds raises RewardTimeout."""
         passed = [a if self.takes_all else {k: v for k, v in a.items() if k in self.names} for a in arguments]
         if not self.batched:
-            return [self._number(self._call(f"row {row}", **kw), row, where) for kw, row in zip(passed, row_indices)]
+            values = self._calls([(f"row {row}", kw) for kw, row in zip(passed, row_indices)], where, timeout_s)
+            return [self._number(value, row, where) for value, row in zip(values, row_indices)]
         columns = {k: [kw[k] for kw in passed] for k in passed[0]}
-        result = self._call(f"a batch of rows {sorted(set(row_indices))}", **columns)
+        (result,) = self._calls([(f"a batch of rows {sorted(set(row_indices))}", columns)], where, timeout_s)
         values = result.tolist() if isinstance(result, torch.Tensor) or hasattr(result, "dtype") else result
         if not isinstance(values, (list, tuple)) or len(values) != len(passed):
             shown = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"{_short(result)}"
             raise ConfigError(f"{self.key} is batched and returned {shown} for a batch of {len(passed)} replies "
                               f"({where}); return one number per reply, in the order of the reply list.")
         return [self._number(v, row, where) for v, row in zip(values, row_indices)]
+
+    def _calls(self, calls: list[tuple[str, dict]], where: str, timeout_s: float) -> list:
+        """The results of ``calls`` ((rows, keyword arguments) each), made one after another in a daemon thread
+        while this thread waits at most ``timeout_s`` for each.
+
+        Python cannot stop a thread, nor interrupt a call from outside it, and SIGALRM reaches only the main
+        thread, while async rollout workers score in one of Ray's. So the call runs elsewhere and this thread
+        gives up on it: a hung call is left behind (a daemon thread does not hold up the process's exit) and
+        the run ends with RewardTimeout; a signal meanwhile is handled at once. A call that holds the GIL
+        (a C loop) stops this thread too; only a separate process could bound that, at a pickling cost per call.
+        """
+        results: queue.SimpleQueue = queue.SimpleQueue()
+
+        def make_calls():
+            for rows, kwargs in calls:
+                try:
+                    results.put((True, self._call(rows, **kwargs)))
+                except BaseException as err:  # noqa: BLE001 - raised by the waiting thread
+                    results.put((False, err))
+                    return
+
+        threading.Thread(target=make_calls, name=f"reward function {self.fn.__name__}", daemon=True).start()
+        values = []
+        for rows, _ in calls:
+            try:
+                returned, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RewardTimeout(f"{self.key} took longer than reward.timeout_s={timeout_s:g} s on {rows} ({where}) "
+                                    "and was abandoned; make it return sooner (does it wait on a lock, a server, "
+                                    "input?), or raise reward.timeout_s if it is only slow.") from None
+            if not returned:
+                raise value
+            values.append(value)
+        return values
 
     def _call(self, rows: str, /, **kwargs):  # positional only: a column may be named rows
         try:
@@ -227,13 +273,15 @@ class UserRewards(Transform):
     """
 
     def __init__(self, functions: list[RewardFunction], weights: Sequence[float], rows, *, prompt_key: str,
-                 answer_key: str | None, split: str, tokenizer, sole: bool, success_threshold: float = 0.0):
+                 answer_key: str | None, split: str, tokenizer, sole: bool, timeout_s: float,
+                 success_threshold: float = 0.0):
         super().__init__(in_keys=[], out_keys=["reward", *(["success"] if sole else [])])
         self.functions, self.weights = functions, [float(w) for w in weights] or [1.0] * len(functions)
         self.rows, self.prompt_key, self.answer_key = rows, prompt_key, answer_key
         self.where = f"split {split!r}"
-        self.sole, self.success_threshold = sole, success_threshold
+        self.sole, self.success_threshold, self.timeout_s = sole, success_threshold, timeout_s
         self.specials = special_tokens(tokenizer)
+        self.seconds = 0.0  # spent in the functions since take_reward_seconds last read it
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         if next_tensordict.batch_dims > 1:
@@ -249,8 +297,11 @@ class UserRewards(Transform):
                 fixed["answer"] = row[self.answer_key]
             arguments.append({**row, **fixed})
         total = torch.zeros(len(arguments), dtype=torch.float64)
+        t0 = time.perf_counter()
         for function, weight in zip(self.functions, self.weights, strict=True):
-            total += weight * torch.tensor(function(arguments, row_indices, self.where), dtype=torch.float64)
+            total += weight * torch.tensor(function(arguments, row_indices, self.where, self.timeout_s),
+                                           dtype=torch.float64)
+        self.seconds += time.perf_counter() - t0
         shape = next_tensordict.batch_size + (1, 1)
         reward = total.to(torch.get_default_dtype()).view(shape)
         if self.sole:
@@ -276,3 +327,12 @@ class UserRewards(Transform):
             reward_spec.update(Composite(reward=Unbounded(shape, dtype=torch.get_default_dtype()),
                                          success=Unbounded(shape, dtype=torch.bool), shape=reward_spec.shape))
         return reward_spec
+
+
+def take_reward_seconds(env) -> float:
+    """The seconds ``env``'s reward functions took since the last call (0.0 without any): a step's ``reward_s``."""
+    transforms = env.transform if isinstance(env.transform, Compose) else [env.transform]
+    seconds = 0.0
+    for rewards in (t for t in transforms if isinstance(t, UserRewards)):
+        seconds, rewards.seconds = seconds + rewards.seconds, 0.0
+    return seconds

@@ -1,23 +1,41 @@
 """Faults of long runs end with one line, keep the last good checkpoint and never leave a ruined run that
 looks finished: a NaN/inf gradient or reward stops before the optimiser step (or skips it), weights that
 are not finite are never checkpointed, a disk without room is found before the run or the write, and a
-failing log close never hides the error that stopped the run.
+failing log close never hides the error that stopped the run. Two runs never share a run dir, a hung
+reward function ends the run instead of hanging it, a second Ctrl-C stops at once in one line, and
+start-up does not grow with the data.
 
 A full disk is simulated by ``shutil.disk_usage`` reporting little free space, and a write that fails by
 ``save_file`` raising ENOSPC as a full disk makes it."""
 
 import errno
+import itertools
+import json
+import re
+import signal
+import socket
+import subprocess
+import time
 from collections import namedtuple
+from datetime import datetime
+from pathlib import Path
+from types import SimpleNamespace
 
+import hydra.core.utils
 import pytest
 import torch
 
-from conftest import compose
-from grpo import checkpoint
-from grpo.checkpoint import list_checkpoints, load_checkpoint
-from grpo.errors import CheckpointError, NonFiniteError
-from grpo.logger import RunLogger
-from test_checkpoint import _save, _trained, step_rows
+from conftest import TINY_DATA, compose
+from grpo import checkpoint, envs
+from grpo.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
+from grpo.config import validate_config
+from grpo.envs import PromptLengthBound, check_prompt_lengths, load_splits, prompt_token_counts, task_system_prompt
+from grpo.errors import CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout
+from grpo.logger import RunLogger, read_metrics
+from grpo.models import load_tokenizer
+from grpo.setup import RunDirClaim
+from grpo.user_rewards import load_reward_function
+from test_checkpoint import SMALL, _save, _trained, grpo_cmd, step_rows
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture
 from test_step import make_step, setup  # noqa: F401 - setup is a fixture
 
@@ -120,9 +138,6 @@ def test_a_failing_log_close_does_not_hide_the_error_that_stopped_the_run(script
 
 
 def test_on_nonfinite_takes_stop_or_skip():
-    from grpo.config import validate_config
-    from grpo.errors import ConfigError
-
     assert compose("grpo_gsm8k").train.on_nonfinite == "stop"
     with pytest.raises(ConfigError, match="train.on_nonfinite='ignore'; use stop .* or skip"):
         validate_config(compose("grpo_tiny", ["train.on_nonfinite=ignore"]))
@@ -187,3 +202,194 @@ def test_a_full_disk_during_export_leaves_no_partial_folder_and_one_line(tmp_pat
         next(model.parameters())[0] = float("inf")
     with pytest.raises(ExportError, match="NaN or inf"):
         export_model(model, tok, tmp_path / "export")
+
+
+# ----------------------------------------------------------------------------------- two runs, one run dir
+
+def wait_for(proc, ready, what: str, timeout: float = 400) -> None:
+    """Poll ``ready()`` while the subprocess ``proc`` runs; fail if it ends first or ``what`` takes too long."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[1][-3000:]}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
+
+
+def test_runs_started_in_the_same_second_get_run_dirs_of_their_own(monkeypatch):
+    """The default outputs/DATE/HH-MM-SS was one dir for two commands started in the same second."""
+    def run_dirs_at(instant):
+        monkeypatch.setattr(hydra.core.utils, "datetime", SimpleNamespace(now=lambda: instant))
+        hydra_cfg = compose("grpo_tiny", return_hydra_config=True).hydra
+        return hydra_cfg.run.dir, hydra_cfg.sweep.dir
+
+    first = run_dirs_at(datetime(2026, 11, 24, 10, 0, 0, 1))
+    second = run_dirs_at(datetime(2026, 11, 24, 10, 0, 0, 500_000))
+    assert first[0].startswith("outputs/2026-11-24/10-00-00") and first[1].startswith("multirun/2026-11-24/10-00-00")
+    assert first[0] != second[0] and first[1] != second[1]
+
+
+def test_a_run_dir_is_held_by_one_run_at_a_time(tmp_path):
+    claim = RunDirClaim(tmp_path)
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(tmp_path))} is in use by another run \(pid \d+ on .*\); "
+                                          r"let that run finish or stop it, or give this one another hydra.run.dir"):
+        RunDirClaim(tmp_path)
+    claim.release()
+    RunDirClaim(tmp_path).release()  # free again once the holder let go
+
+
+def test_a_second_run_into_a_held_run_dir_is_refused_and_leaves_the_first_as_it_was(tmp_path):
+    """Both runs used to pass the "already holds a run" check: metrics.jsonl held start, start and steps 1,1,2,2;
+    and a refused run still rewrote the first one's .hydra/overrides.yaml, so that resume=auto of the first
+    command no longer found its run."""
+    run_dir = tmp_path / "run"
+    first = subprocess.Popen(grpo_cmd(run_dir, "train.total_steps=1000"), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(first, lambda: (run_dir / "metrics.jsonl").exists() and step_rows(run_dir), "a first step")
+        record = {f.name: f.read_bytes() for f in (run_dir / ".hydra").iterdir()}
+        second = subprocess.run(grpo_cmd(run_dir, "train.total_steps=1000", "seed=1"), capture_output=True,
+                                text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert second.stderr.splitlines() == [
+            f"error: {run_dir} is in use by another run (pid {first.pid} on {socket.gethostname()}); let that run "
+            "finish or stop it, or give this one another hydra.run.dir (by default each run gets a new one)."]
+        assert {f.name: f.read_bytes() for f in (run_dir / ".hydra").iterdir()} == record
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=300)
+    assert first.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert [r["event"] for r in read_metrics(run_dir / "metrics.jsonl") if "event" in r] == ["start"]
+    steps = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "reward" in r]
+    assert steps == list(range(1, len(steps) + 1))
+    # the first command, relaunched with resume=auto, finds its run by the overrides recorded for it
+    found, _ = find_checkpoint("auto", experiment_name="grpo-tiny", search_roots=[tmp_path],
+                               overrides=[*SMALL, "train.total_steps=1000"])
+    assert found == list_checkpoints(run_dir / "checkpoints")[-1]
+
+
+# ------------------------------------------------------------------------------ hung and slow reward functions
+
+HANGS_IN_TRAINING = """import threading
+from pathlib import Path
+
+calls = 0
+
+
+def score(reply):
+    global calls
+    calls += 1
+    if calls > 8:  # the first eval scores 8 replies; the first training batch then hangs
+        Path(__file__).with_name("hung").touch()
+        threading.Event().wait()
+    return 1.0
+"""
+
+
+def test_a_reward_function_that_never_returns_ends_the_run_naming_it_and_its_row(tmp_path):
+    """It hung the run with no word; SIGTERM then printed "finishing this step" and it was still hung 60 s later."""
+    (tmp_path / "hang.py").write_text(HANGS_IN_TRAINING)
+    proc = subprocess.Popen(grpo_cmd(tmp_path / "run", "train.total_steps=2", "reward.timeout_s=5",
+                                     f"reward.functions=[{tmp_path / 'hang.py'}:score]"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(proc, (tmp_path / "hung").exists, "a hung reward call")
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - sent < 60
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr and "SIGTERM: finishing this step" in stderr, stderr[-3000:]
+    assert re.fullmatch(rf"error: reward.functions\[0\]='{re.escape(str(tmp_path))}/hang.py:score' took longer than "
+                        r"reward.timeout_s=5 s on row \d+ \(split 'train'\) and was abandoned; .* raise "
+                        r"reward.timeout_s if it is only slow.", stderr.splitlines()[-1]), stderr[-3000:]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_reward_call_past_the_timeout_names_the_function_and_its_rows(tmp_path, batched):
+    (tmp_path / "slow.py").write_text(f"import time\n\ndef score(reply):\n    time.sleep(3600)\n"
+                                      f"score.batched = {batched}\n")
+    function = load_reward_function(f"{tmp_path / 'slow.py'}:score", 0)
+    started = time.monotonic()
+    rows = r"a batch of rows \[3, 7\]" if batched else "row 3"
+    with pytest.raises(RewardTimeout, match=rf"took longer than reward.timeout_s=0.2 s on {rows} \(split 'train'\)"):
+        function([{"reply": "a"}, {"reply": "b"}], [3, 7], "split 'train'", timeout_s=0.2)
+    assert time.monotonic() - started < 5
+
+
+def test_a_reward_functions_error_still_reaches_the_run_with_its_note(tmp_path):
+    (tmp_path / "broken.py").write_text("def score(reply):\n    return {}['missing']\n")
+    function = load_reward_function(f"{tmp_path / 'broken.py'}:score", 0)
+    with pytest.raises(KeyError) as raised:
+        function([{"reply": "a"}], [4], "split 'train'", timeout_s=10)
+    assert raised.value.__notes__ == [f"raised by reward function reward.functions[0]='{tmp_path}/broken.py:score' "
+                                      "on row 4"]
+
+
+def test_the_time_spent_in_reward_functions_is_logged_as_reward_s(script, tmp_path):  # noqa: F811
+    """A slow function (1 s a call) showed up only as generation_s."""
+    (tmp_path / "slow.py").write_text("import time\n\ndef score(reply):\n    time.sleep(0.01)\n    return 1.0\n")
+    train(script, tmp_path / "run", f"reward.functions=[{tmp_path / 'slow.py'}:score]", "train.total_steps=2")
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:  # 16 replies a step, 10 ms each
+        assert 0.16 <= row["reward_s"] < row["generation_s"], row
+
+
+def test_reward_timeout_s_must_be_positive():
+    assert compose("grpo_gsm8k").reward.timeout_s == 60
+    with pytest.raises(ConfigError, match=r"reward.timeout_s=0 must be a number of seconds > 0"):
+        validate_config(compose("grpo_tiny", ["reward.timeout_s=0"]))
+
+
+# --------------------------------------------------------------------------------------------- Ctrl-C twice
+
+def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
+    """A second Ctrl-C within 0.3 s printed 40 lines of traceback from decode_attention."""
+    proc = subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=1000", "train.checkpoint_frequency=1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(proc, lambda: list_checkpoints(tmp_path / "checkpoints"), "a first checkpoint")
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    said = re.fullmatch(rf"interrupted again: stopping now without a checkpoint; the last checkpoint is "
+                        rf"(\S+) \(resume={re.escape(str(tmp_path))}\)", stderr.splitlines()[-1])
+    assert said and Path(said.group(1)) in list_checkpoints(tmp_path / "checkpoints"), stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------ 100,000 rows
+
+def test_the_prompt_length_check_refuses_a_long_row_of_a_large_file_tokenising_only_it(tmp_path, monkeypatch):
+    """At 100,000 rows the check took 11.3 s and 1.8 GB, held for the whole run: it tokenised every prompt."""
+    shipped = (TINY_DATA / "train.jsonl").read_text().splitlines()
+    rows = list(itertools.islice(itertools.cycle(shipped), 20_000))
+    rows[13_579] = json.dumps({"question": "How many is 1 + 1? " * 60, "answer": "1 + 1 = 2\n#### 2"})
+    (tmp_path / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "test.jsonl").write_text((TINY_DATA / "test.jsonl").read_text())
+    cfg = compose("grpo_tiny", [f"env.dataset={tmp_path}"])
+    tokenizer = load_tokenizer(cfg.model.name)
+    counted = []
+    monkeypatch.setattr(envs, "prompt_token_counts", lambda tok, system, prompts: counted.extend(prompts) or
+                        prompt_token_counts(tok, system, prompts))
+    exact = prompt_token_counts(tokenizer, task_system_prompt(cfg), [json.loads(rows[13_579])["question"]])[0]
+    with pytest.raises(DataError, match=rf"split 'train' row 13579: its prompt is {exact} tokens .* exceeds "
+                                        rf"inference_model.max_model_len=512; raise inference_model.max_model_len to "
+                                        rf"at least {exact + 24}"):
+        check_prompt_lengths(cfg, tokenizer, load_splits(cfg))
+    assert counted == [json.loads(rows[13_579])["question"]]  # the one row whose bound did not fit
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "real_model_dir", "real_qwen_dir"])
+def test_the_length_bound_is_never_below_the_count(model, request):
+    """Text that tokenises densely or grows in the normaliser: whitespace runs, emoji, NFC/NFKC expansions."""
+    tokenizer = load_tokenizer(str(request.getfixturevalue(model)))
+    prompts = ["", " ", "\n\nx", "  lead", "trail \n\n", "\t\t\t", "\r\n\r\n", "ﷺ" * 20, "\u0958" * 30,
+               "😀" * 40, "ﬁ" * 10, "<think>x</think>", "<|im", "é" * 50, " ".join(["word"] * 200), "x" * 300,
+               *(TINY_DATA / "train.jsonl").read_text().splitlines()[:50]]
+    for system in (None, "Answer with a number."):
+        bound = PromptLengthBound(tokenizer, system)
+        assert not bound.exact_only
+        counts = prompt_token_counts(tokenizer, system, prompts)
+        assert all(bound(p) >= n for p, n in zip(prompts, counts)), [(p, bound(p), n) for p, n in zip(prompts, counts)
+                                                                      if bound(p) < n]

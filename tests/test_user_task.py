@@ -200,6 +200,30 @@ def test_a_bad_return_in_a_rollout_worker_stops_the_run_without_restarts(tmp_pat
         "error: reward.functions[0]='my_rewards:score' returned nan for a reply to row "), proc.stderr[-3000:]
 
 
+HANGS_IN_WORKERS = """import threading
+
+import ray
+
+
+def score(reply):
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:  # a rollout worker
+        threading.Event().wait()
+    return 1.0
+"""
+
+
+def test_a_reward_function_that_hangs_in_a_rollout_worker_ends_the_run_naming_it_and_its_row(tmp_path):
+    """The async run hung as the sync one did: no word, and SIGTERM did not end it."""
+    (tmp_path / "my_rewards.py").write_text(HANGS_IN_WORKERS)
+    proc = subprocess.run(async_generic_run(tmp_path, "reward.timeout_s=3"), cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": ""}, timeout=400)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "restart" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.fullmatch(r"error: reward.functions\[0\]='my_rewards:score' took longer than reward.timeout_s=3 s on "
+                        r"row \d+ \(split 'train'\) and was abandoned; .*", proc.stderr.splitlines()[-1]), \
+        proc.stderr[-3000:]
+
+
 CALLS = """import os
 from pathlib import Path
 
@@ -226,3 +250,4 @@ def test_user_functions_score_in_the_async_rollout_workers(tmp_path):
     assert len(trainer) == 2 * 5  # the two evals (steps 0 and 2), 5 rows each
     assert len(pids) - len(trainer) >= 2 * 20  # the workers scored (at least) the two trained batches
     assert torch.tensor([r["reward"] for r in rows if "reward" in r]).isfinite().all()
+    assert all(r["reward_s"] > 0 for r in rows if "reward" in r)  # the workers' time in the function
