@@ -18,6 +18,8 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, StaticCache
@@ -158,11 +160,17 @@ def record(buf: DecodeBuffers, token, log_prob, pad_token_id: int) -> None:
     buf.step.add_(1)
 
 
-def decode_step(model, cache, buf: DecodeBuffers, pad_token_id: int, sampling: dict) -> None:
+def cache_argument(model) -> str:
+    """The name ``forward`` takes the KV cache under: transformers 5.24 renamed ``past_key_values`` to ``cache``
+    (the old name warns); the GPU machines run 5.17."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def decode_step(model, cache, cache_name: str, buf: DecodeBuffers, pad_token_id: int, sampling: dict) -> None:
     """Feed the last token, sample the next: one replayable step, no host synchronisation."""
     buf.mask.index_fill_(1, buf.slot, 1)
     logits = model(input_ids=buf.last_token[:, None], position_ids=buf.position, cache_position=buf.slot,
-                   attention_mask=buf.mask, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                   attention_mask=buf.mask, use_cache=True, logits_to_keep=1, **{cache_name: cache}).logits[:, -1]
     record(buf, *sample_tokens(logits, **sampling), pad_token_id)
     buf.position.add_(1)
     buf.slot.add_(1)
@@ -182,6 +190,7 @@ class ReplySampler(torch.nn.Module):
         super().__init__()
         self.model = model
         self.cache_bucket = cache_bucket
+        self.cache_name = cache_argument(model)
         model.set_attn_implementation(DECODE_ATTENTION)
         if not any(p.requires_grad for p in model.parameters()):  # an inference copy, never trained
             fuse_projections(model)
@@ -206,7 +215,7 @@ class ReplySampler(torch.nn.Module):
         if key in self._steps:
             return self._steps[key]
         buf = DecodeBuffers(batch, slots, max_new_tokens, stop_ids, self.model.device)
-        args = (self.model, cache, buf, pad_token_id, sampling)
+        args = (self.model, cache, self.cache_name, buf, pad_token_id, sampling)
         step = lambda: decode_step(*args)  # noqa: E731
         # building samples tokens it throws away: the run's random stream must not depend on when it happens
         # (a resumed run builds at another step than an uninterrupted one)
@@ -250,8 +259,8 @@ class ReplySampler(torch.nn.Module):
         buf.step.zero_()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=buf.mask,
-                            cache_position=torch.arange(prompt_len, device=input_ids.device), past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1]  # prefill: eager, prompt widths vary
+                            cache_position=torch.arange(prompt_len, device=input_ids.device), use_cache=True,
+                            logits_to_keep=1, **{self.cache_name: cache}).logits[:, -1]  # prefill: eager, prompt widths vary
         record(buf, *sample_tokens(logits, **sampling), pad_token_id)
         buf.position.copy_(positions[:, -1:] + 1)
         buf.slot.fill_(prompt_len)

@@ -128,8 +128,18 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
             target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
         ))
     if cfg.train_model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     return model.eval()
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute activations in backward; transformers 5.24 renamed ``gradient_checkpointing_enable`` (the old
+    name warns), the GPU machines run 5.17."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def load_reference_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):
