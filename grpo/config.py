@@ -71,6 +71,8 @@ def validate_config(cfg) -> None:
          f"train.dialog_turns_per_batch={t.dialog_turns_per_batch}.")
     need(t.optim_batch_size % t.gradient_accumulation_steps == 0, f"train.gradient_accumulation_steps="
          f"{t.gradient_accumulation_steps} must divide train.optim_batch_size={t.optim_batch_size}.")
+    need(t.micro_batch_tokens is None or (type(t.micro_batch_tokens) is int and t.micro_batch_tokens >= 1),
+         f"train.micro_batch_tokens={t.micro_batch_tokens!r} must be a whole number >= 1 (e.g. 16384) or null.")
     need(type(t.total_steps) is int and t.total_steps >= 0, f"train.total_steps={t.total_steps!r} must be a whole "
          "number >= 0 (0 = evaluate only: model.name, or resume='s checkpoint).")
     need(isinstance(cfg.resume_allow_changes, bool), f"resume_allow_changes={cfg.resume_allow_changes!r} must be true or "

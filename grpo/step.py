@@ -6,16 +6,17 @@
     kl_ref     = k3(sampler || ref) per reply              logged; subtracted from the reward or a loss term
     advantage  = (r - mean_group) / std_group              replies to one prompt form a group (dr_grpo: no / std)
     reply_mask = stopped replies only                      train.overlong_filter: replies cut at the cap not trained
-    for epoch, minibatch (accumulated micro-batches):
+    for epoch, minibatch (micro-batches of similar lengths, accumulated):
         ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, truncated IS);
                                                            per token (gspo: per reply, geometric mean)
         loss   = -min(ratio A, clip(ratio) A) + c_ref KL_ref + c_inf KL_inf - c_ent H
-                                                           dr_grpo: token sum / (replies x max_new_tokens)
+                                                           means over the whole minibatch's tokens, whatever
+                                                           its cut; dr_grpo: token sum / (replies x max_new_tokens)
         backward; clip grad norm; optimiser and LR schedule step (a NaN/inf gradient: stop, or skip the step)
 
 Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read
 the config, and it runs the same on one data-parallel rank or many (a rank wraps ``policy`` and
-hands in its own share of the rollouts). Same estimators as TorchRL's ``GRPOLoss``
+hands in its own share of the rollouts; ``LossTotals`` are what its sums would divide by). Same estimators as TorchRL's ``GRPOLoss``
 (tests/test_step.py checks value and gradient against it); why not ``GRPOLoss`` itself: it runs on
 per-sample tensordicts and computes full-vocabulary logits at every prompt position; on a 0.5B model
 it used 2.4x TRL's GPU memory. Unlike TorchRL 0.14.1, KL terms and diagnostics average over reply
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
-from torchrl.data import ReplayBuffer, SamplerWithoutReplacement, TensorStorage
 
 from grpo.batch import prompt_group_ids, to_training_batch, trim_padding
 from grpo.errors import NonFiniteError
@@ -55,8 +55,9 @@ class GRPOSettings:
     max_new_tokens: int               # dr_grpo's constant per reply
     inference_is_cap: float | None    # truncated IS on: clip against the trainer's own log-probs
     epochs: int
-    micro_batch_size: int
-    accumulation_steps: int
+    optim_batch_size: int             # replies per optimiser step (a minibatch)
+    micro_batch_size: int             # at most this many replies in one forward/backward
+    micro_batch_tokens: int | None    # and at most this many padded tokens (replies x trimmed width)
     clip_grad_norm: float
     mixed_precision: bool             # bf16 autocast for float32 weights on a GPU
     gradient_checkpointing: bool      # needs train mode while optimising
@@ -73,9 +74,9 @@ class GRPOSettings:
             overlong_penalty=cfg.reward.overlong_penalty,
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
             loss_variant=t.loss_variant, max_new_tokens=cfg.inference_model.max_new_tokens,
-            inference_is_cap=t.inference_is_cap, epochs=t.epochs,
+            inference_is_cap=t.inference_is_cap, epochs=t.epochs, optim_batch_size=t.optim_batch_size,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
-            accumulation_steps=t.gradient_accumulation_steps, clip_grad_norm=cfg.optimizer.clip_grad_norm,
+            micro_batch_tokens=t.micro_batch_tokens, clip_grad_norm=cfg.optimizer.clip_grad_norm,
             mixed_precision=cfg.train_model.mixed_precision,
             gradient_checkpointing=cfg.train_model.gradient_checkpointing, compile=cfg.train_model.compile,
             on_nonfinite=t.on_nonfinite)
@@ -113,13 +114,13 @@ class GRPOStep:
             batch["reward"] = batch["reward"] - penalty
             metrics["overlong_penalty_mean"] = penalty.mean().item()
         if self.ref_model is not None:
-            batch["ref_log_probs"] = score_replies(batch, self.ref_model, self.s.micro_batch_size)
+            batch["ref_log_probs"] = score_replies(batch, self.ref_model, self.s)
             kl = per_sample_kl_to_ref(batch)
             metrics["kl_to_ref"] = kl.mean().item()
             if self.s.kl_to_ref_in_reward:
                 batch["reward"] = batch["reward"] - self.s.kl_to_ref_coeff * kl
         if self.s.inference_is_cap is not None:
-            batch["trainer_log_probs"] = score_replies(batch, self.policy, self.s.micro_batch_size)
+            batch["trainer_log_probs"] = score_replies(batch, self.policy, self.s)
             gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
             metrics["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
         batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch),
@@ -130,66 +131,113 @@ class GRPOStep:
         return batch, metrics | {"reference_s": time.perf_counter() - t0}
 
     def optimize(self, batch: TensorDict) -> dict:
-        """``epochs`` passes of shuffled micro-batches; metrics averaged over micro-batches.
+        """``epochs`` passes of shuffled minibatches, one optimiser step each; metrics averaged over them.
 
-        ``kl_to_inference_pre_update`` is the first micro-batch's sampler/trainer KL, before any
+        A minibatch runs as micro-batches of similar lengths (``micro_batches``), each term divided by
+        the whole minibatch's totals, so the gradient is that of the minibatch in one pass however it is
+        cut. ``kl_to_inference_pre_update`` is the first minibatch's sampler/trainer KL, before any
         update: on-policy it must be ~0 (< 1e-3), or sampler and trainer disagree on the tokens.
         """
         t0, s = time.perf_counter(), self.s
         device = next(self.policy.parameters()).device
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        buffer = ReplayBuffer(storage=TensorStorage(batch), sampler=SamplerWithoutReplacement(),
-                              batch_size=s.micro_batch_size)
         # device tensors until the end: a .item() per micro-batch would stall the GPU queue
-        sums, grad_norms, n_micro, pre_update_kl, skipped = defaultdict(float), [], 0, None, 0
+        sums, grad_norms, n_minibatches, pre_update_kl, skipped, n_micro = defaultdict(float), [], 0, 0.0, 0, 0
         with train_mode_if(self.policy, s.gradient_checkpointing):
             for _ in range(s.epochs):
-                for i, micro in enumerate(buffer):
-                    micro = trim_padding(micro)
-                    if device.type != "cpu":
-                        micro = micro.to(device, non_blocking=True)
-                    with autocast_if(s.mixed_precision, self.policy):
-                        terms = grpo_terms(self.policy, micro, s, self.forward)
-                    (weighted_loss(terms, s) / s.accumulation_steps).backward()
-                    for name, value in logged_terms(terms, s).items():
-                        sums[name] = sums[name] + value
-                    sums["advantage_abs"] = sums["advantage_abs"] + micro["advantage"].abs().mean()
-                    pre_update_kl = terms["kl_to_inference"].detach() if n_micro == 0 else pre_update_kl
-                    n_micro += 1
-                    if (i + 1) % s.accumulation_steps == 0:
-                        grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm).detach()
-                        # one host sync per optimiser step: a NaN/inf gradient must never reach the weights
-                        if not bool(grad_norm.isfinite()):
-                            if s.on_nonfinite == "stop":
-                                raise NonFiniteError(
-                                    f"the gradient norm is {float(grad_norm)} (loss {float(weighted_loss(terms, s))}) "
-                                    "before an optimiser step, which was not taken: the weights are as before it. "
-                                    "Lower optimizer.lr, or set train.on_nonfinite=skip to skip such steps.")
-                            skipped += 1
-                        else:
-                            grad_norms.append(grad_norm)
-                            self.optimizer.step()
-                            self.scheduler.step()
-                        self.optimizer.zero_grad(set_to_none=True)
+                order = torch.randperm(batch.batch_size[0])
+                for start in range(0, len(order), s.optim_batch_size):
+                    minibatch = batch[order[start:start + s.optim_batch_size]]
+                    totals = LossTotals.of(minibatch)
+                    for _, micro in micro_batches(minibatch, s.micro_batch_size, s.micro_batch_tokens):
+                        if device.type != "cpu":
+                            micro = micro.to(device, non_blocking=True)
+                        with autocast_if(s.mixed_precision, self.policy):
+                            terms = grpo_terms(self.policy, micro, s, self.forward, totals)
+                        weighted_loss(terms, s).backward()
+                        for name, value in logged_terms(terms, s).items():
+                            sums[name] = sums[name] + value
+                        if n_minibatches == 0:
+                            pre_update_kl = pre_update_kl + terms["kl_to_inference"].detach()
+                        n_micro += 1
+                    sums["advantage_abs"] = sums["advantage_abs"] + minibatch["advantage"].abs().mean()
+                    n_minibatches += 1
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm).detach()
+                    # one host sync per optimiser step: a NaN/inf gradient must never reach the weights
+                    if not bool(grad_norm.isfinite()):
+                        if s.on_nonfinite == "stop":
+                            raise NonFiniteError(
+                                f"the gradient norm is {float(grad_norm)} (loss {float(weighted_loss(terms, s))}) "
+                                "before an optimiser step, which was not taken: the weights are as before it. "
+                                "Lower optimizer.lr, or set train.on_nonfinite=skip to skip such steps.")
+                        skipped += 1
+                    else:
+                        grad_norms.append(grad_norm)
+                        self.optimizer.step()
+                        self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
         train_s = time.perf_counter() - t0
-        return {name: float(value) / n_micro for name, value in sums.items()} | {
+        return {name: float(value) / n_minibatches for name, value in sums.items()} | {
             "kl_to_inference_pre_update": float(pre_update_kl),
             "grad_norm": float(sum(grad_norms)) / len(grad_norms) if grad_norms else float("nan"),
             "optim_steps": len(grad_norms), "skipped_optim_steps": skipped, "lr": self.scheduler.get_last_lr()[0],
-            "train_s": train_s,
+            "micro_batches": n_micro / n_minibatches, "train_s": train_s,
             "train_samples_per_s": batch.batch_size[0] * s.epochs / train_s}
 
 
-def grpo_terms(model, batch: TensorDict, s: GRPOSettings, forward=None) -> dict:
+@dataclass(frozen=True)
+class LossTotals:
+    """What a minibatch's means divide by. Every term of ``grpo_terms`` is a sum over its micro-batch
+    divided by these, so the micro-batches of any cut add up to the minibatch's loss and gradient
+    exactly; a data-parallel rank would pass the totals of the global minibatch."""
+    tokens: int       # reply tokens in the loss
+    rows: int         # replies
+    replies: int      # replies with at least one token in the loss
+
+    @classmethod
+    def of(cls, batch: TensorDict) -> LossTotals:
+        mask = loss_mask(batch)
+        return cls(tokens=max(1, int(mask.sum())), rows=mask.shape[0], replies=max(1, int(mask.any(-1).sum())))
+
+
+def loss_mask(batch: TensorDict) -> torch.Tensor:
+    """The reply tokens the loss sees: real ones with a finite sampler log-prob."""
+    return batch["reply_mask"] & batch["behaviour_log_probs"].isfinite()
+
+
+def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None):
+    """``(rows, trimmed micro-batch)`` pairs covering ``batch``: rows sorted by length and cut greedily
+    at ``max_rows`` rows or ``max_tokens`` padded tokens (rows x trimmed width), so short replies
+    share micro-batches and are not padded to the longest reply of a random draw."""
+    lengths = batch["prompt_length"] + batch["reply_length"]
+    order = lengths.argsort(stable=True).tolist()
+    prompt_len, reply_len = batch["prompt_length"].tolist(), batch["reply_length"].tolist()
+    cuts, current, width_p, width_r = [], [], 0, 0
+    for row in order:
+        wp, wr = max(width_p, prompt_len[row]), max(width_r, reply_len[row])
+        if current and (len(current) == max_rows or (max_tokens and (len(current) + 1) * (wp + wr) > max_tokens)):
+            cuts.append(current)
+            current, wp, wr = [], prompt_len[row], reply_len[row]
+        current.append(row)
+        width_p, width_r = wp, wr
+    cuts.append(current)
+    for rows in cuts:
+        index = torch.tensor(rows)
+        yield index, trim_padding(batch[index])
+
+
+def grpo_terms(model, batch: TensorDict, s: GRPOSettings, forward=None, totals: LossTotals | None = None) -> dict:
     """The loss terms, unweighted (``objective``, ``entropy``, ``kl_to_ref``, ``kl_to_inference``),
     and diagnostics without gradient, all averaged over reply tokens (``aggregation`` for the first two;
-    the objective of ``dr_grpo`` and ``gspo`` as ``loss_variant`` says)."""
+    the objective of ``dr_grpo`` and ``gspo`` as ``loss_variant`` says): sums over ``batch`` divided by
+    ``totals`` (those of ``batch`` itself by default), so a minibatch's micro-batches add up to it."""
     cur, entropy = (forward or token_log_probs)(model, batch["input_ids"], batch["attention_mask"],
                                                 batch["reply_mask"].shape[1], with_entropy=True,
                                                 entropy_grad=s.entropy_coeff != 0)
     sampler = batch["behaviour_log_probs"]
-    mask = batch["reply_mask"] & sampler.isfinite()
-    n_tokens = mask.sum().clamp_min(1)
+    mask = loss_mask(batch)
+    totals = totals or LossTotals.of(batch)
+    n_tokens = totals.tokens
     # The ratio is taken against the sampler's log-probs or, with truncated IS, against the trainer's
     # own at the start of the step; each token is then weighted by min(pi_trainer_old / pi_sampler, cap),
     # which corrects engine mismatch and staleness.
@@ -203,18 +251,18 @@ def grpo_terms(model, batch: TensorDict, s: GRPOSettings, forward=None) -> dict:
         replies = mask.any(-1)
         seq_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp_min(1)
         gain, seq_clipped = clipped_gain(seq_ratio, advantage, s)
-        objective = -(gain * replies).sum() / replies.sum().clamp_min(1)
-        clipped_share = ((seq_clipped != seq_ratio) & replies).sum() / replies.sum().clamp_min(1)
+        objective = -(gain * replies).sum() / totals.replies
+        clipped_share = ((seq_clipped != seq_ratio) & replies).sum() / totals.replies
     else:
         gain, clipped = clipped_gain(log_ratio, advantage.unsqueeze(-1), s)
         if is_weight is not None:
             gain = gain * is_weight
         if s.loss_variant == "dr_grpo":  # no length normalisation: every token counts the same in any reply
-            objective = -(gain * mask).sum() / (mask.shape[0] * s.max_new_tokens)
+            objective = -(gain * mask).sum() / (totals.rows * s.max_new_tokens)
         else:
-            objective = aggregate(-gain, mask, s.aggregation)
+            objective = aggregate(-gain, mask, s.aggregation, totals)
         clipped_share = ((clipped != log_ratio) & mask).sum() / n_tokens
-    terms = {"objective": objective, "entropy": aggregate(entropy, mask, s.aggregation),
+    terms = {"objective": objective, "entropy": aggregate(entropy, mask, s.aggregation, totals),
              "kl_to_inference": k3(sampler, cur, mask).sum() / n_tokens}
     if "ref_log_probs" in batch.keys() and not s.kl_to_ref_in_reward:
         terms["kl_to_ref"] = k3(batch["ref_log_probs"], cur, mask).sum() / n_tokens
@@ -222,6 +270,7 @@ def grpo_terms(model, batch: TensorDict, s: GRPOSettings, forward=None) -> dict:
     with torch.no_grad():
         lw = torch.where(mask, log_ratio, -torch.inf).flatten()
         terms["clip_fraction"] = clipped_share.detach()  # of tokens (gspo: of replies)
+        # not a sum: the micro-batch's own effective sample size, weighted by its share of the tokens
         terms["ess"] = (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / n_tokens
         terms["kl_approx"] = -log_ratio.sum() / n_tokens
         if is_weight is not None:
@@ -251,11 +300,11 @@ def logged_terms(terms: dict, s: GRPOSettings) -> dict:
     return out
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, totals: LossTotals) -> torch.Tensor:
     per_token = per_token * mask
     if aggregation == "prompt_mean":
-        return (per_token.sum(-1) / mask.sum(-1).clamp_min(1)).mean()
-    return per_token.sum() / mask.sum().clamp_min(1)
+        return (per_token.sum(-1) / mask.sum(-1).clamp_min(1)).sum() / totals.rows
+    return per_token.sum() / totals.tokens
 
 
 def overlong_penalty(reply_length: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
@@ -310,16 +359,16 @@ def rollout_metrics(rollouts, batch: TensorDict) -> dict:
 
 
 @torch.no_grad()
-def score_replies(batch: TensorDict, model, micro_batch: int) -> torch.Tensor:
-    """``[S, R]`` log-probs ``model`` gives the replies, in micro-batches of similar cost to training's."""
+def score_replies(batch: TensorDict, model, s: GRPOSettings) -> torch.Tensor:
+    """``[S, R]`` log-probs ``model`` gives the replies, in micro-batches cut as training's."""
     device = next(model.parameters()).device
-    chunks = []
-    for start in range(0, batch.batch_size[0], micro_batch):
-        part = trim_padding(batch[start:start + micro_batch]).to(device)
+    out = torch.zeros(batch["reply_mask"].shape)
+    for rows, part in micro_batches(batch, s.micro_batch_size, s.micro_batch_tokens):
+        part = part.to(device)
         lp, _ = token_log_probs(model, part["input_ids"], part["attention_mask"], part["reply_mask"].shape[1],
                                 with_entropy=False, entropy_grad=False)
-        chunks.append(torch.nn.functional.pad(lp.float().cpu(), (0, batch["reply_mask"].shape[1] - lp.shape[1])))
-    return torch.cat(chunks) * batch["reply_mask"]
+        out[rows, :lp.shape[1]] = lp.float().cpu()
+    return out * batch["reply_mask"]
 
 
 # Logits of at most this many bytes (float32) exist at once: a 152k vocabulary makes [S, R, V] logits

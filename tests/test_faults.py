@@ -68,7 +68,7 @@ def test_a_reward_that_is_inf_in_float32_stops_the_step(script, tmp_path):  # no
 @pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
 def test_a_nan_gradient_never_reaches_the_weights(setup, on_nonfinite):  # noqa: F811
     cfg, _, model, _, batch = setup
-    step = make_step(cfg, model, on_nonfinite=on_nonfinite, micro_batch_size=batch.shape[0], accumulation_steps=1,
+    step = make_step(cfg, model, on_nonfinite=on_nonfinite, micro_batch_size=batch.shape[0], optim_batch_size=batch.shape[0],
                      epochs=1)
     batch = batch.clone()
     batch["advantage"] = torch.full((batch.shape[0],), float("nan"))  # a NaN loss, so a NaN gradient

@@ -20,8 +20,8 @@ from grpo.inference import make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
 from grpo.run import make_optimizer, make_scheduler
 from grpo.setup import resolve_local_paths
-from grpo.step import (GRPOSettings, GRPOStep, grpo_terms, group_advantages, overlong_penalty, per_sample_kl_to_ref,
-                       token_log_probs, weighted_loss)
+from grpo.step import (GRPOSettings, GRPOStep, LossTotals, grpo_terms, group_advantages, micro_batches,
+                       overlong_penalty, per_sample_kl_to_ref, score_replies, token_log_probs, weighted_loss)
 
 
 @pytest.fixture(scope="module")
@@ -263,7 +263,7 @@ def test_optimize_steps_once_per_minibatch_and_starts_on_policy(setup):
     cfg, tok, model, rollouts, batch = setup
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
-        step = make_step(cfg, model, epochs=2, micro_batch_size=2, accumulation_steps=2)
+        step = make_step(cfg, model, epochs=2, micro_batch_size=2, optim_batch_size=4)
         metrics = step.optimize(batch.clone())
         assert metrics["optim_steps"] == 2 * 8 // 4
         assert metrics["kl_to_inference_pre_update"] < 1e-3
@@ -272,6 +272,72 @@ def test_optimize_steps_once_per_minibatch_and_starts_on_policy(setup):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(before[n])
+
+
+@pytest.mark.parametrize("variant, aggregation", [("grpo", "token_mean"), ("grpo", "prompt_mean"),
+                                                ("dr_grpo", "token_mean"), ("gspo", "token_mean")])
+def test_micro_batches_add_up_to_one_pass_over_the_minibatch(setup, variant, aggregation):
+    """However a minibatch is cut (rows sorted by length, at most 3 rows and a token budget), its
+    micro-batches' terms, divided by the minibatch's totals, add up to the terms and the gradient of
+    one dense pass over the whole minibatch."""
+    cfg, _, model, _, batch = setup
+    batch = batch.clone()
+    batch["advantage"] = torch.linspace(-1.0, 1.0, batch.shape[0])
+    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch)  # some ratios clipped
+    batch["ref_log_probs"] = _perturbed_old_log_probs(batch, seed=5, scale=0.4)
+    settings = dataclasses.replace(GRPOSettings.from_config(cfg), loss_variant=variant, aggregation=aggregation,
+                                   kl_to_inference_coeff=0.1, entropy_coeff=0.01)
+
+    def summed_terms(parts, totals):
+        model.zero_grad(set_to_none=True)
+        summed = {}
+        for part in parts:
+            out = grpo_terms(model, part, settings, totals=totals)
+            weighted_loss(out, settings).backward()
+            summed = {k: summed.get(k, 0.0) + v.detach() for k, v in out.items()}
+        return summed, [p.grad.clone() for p in model.parameters()]
+
+    whole, whole_grads = summed_terms([trim_padding(batch)], None)
+    budget = 3 * int((batch["prompt_length"] + batch["reply_length"]).max()) - 1  # never 3 of the longest
+    cuts = list(micro_batches(batch, 3, budget))
+    assert len(cuts) >= 3
+    assert sorted(torch.cat([rows for rows, _ in cuts]).tolist()) == list(range(batch.shape[0]))
+    assert all(len(rows) == 1 or part["input_ids"].numel() <= budget for rows, part in cuts)
+    split, split_grads = summed_terms([part for _, part in cuts], LossTotals.of(batch))
+    assert set(split) == set(whole) and "kl_to_ref" in whole
+    for key in whole:
+        if key != "ess":  # not a sum: each micro-batch's own, weighted by its tokens
+            torch.testing.assert_close(split[key], whole[key], atol=1e-6, rtol=1e-4)
+    assert variant == "gspo" or float(whole["clip_fraction"]) > 0  # gspo's per-reply means stay inside the clip
+    for g_split, g_whole in zip(split_grads, whole_grads):
+        torch.testing.assert_close(g_split, g_whole, atol=1e-6, rtol=1e-4)
+    model.zero_grad(set_to_none=True)
+
+
+def test_micro_batches_of_short_replies_hold_more_rows():
+    """A token budget cuts by padded size (rows x trimmed width), rows sorted by length: a budget of
+    two long rows holds four short ones, and each micro-batch is trimmed to its own width."""
+    prompt_len, reply_len = torch.tensor([4, 4, 3, 4, 4, 4]), torch.tensor([20, 2, 2, 20, 3, 2])
+    cols = torch.arange(24)
+    attention = (cols >= 4 - prompt_len[:, None]) & (cols < 4 + reply_len[:, None])
+    batch = TensorDict({"input_ids": torch.arange(6 * 24).view(6, 24), "attention_mask": attention,
+                        "reply_mask": attention[:, 4:], "prompt_length": prompt_len, "reply_length": reply_len},
+                       batch_size=[6])
+    cuts = [(rows.tolist(), part) for rows, part in micro_batches(batch, 6, 2 * 24)]
+    assert [rows for rows, _ in cuts] == [[2, 1, 5, 4], [0, 3]]
+    assert cuts[0][1]["input_ids"].shape == (4, 7) and cuts[1][1]["input_ids"].shape == (2, 24)
+    assert [rows.tolist() for rows, _ in micro_batches(batch, 3, None)] == [[2, 1, 5], [4, 0, 3]]
+
+
+def test_reference_scoring_in_micro_batches_equals_one_pass(setup):
+    cfg, _, model, _, batch = setup
+    settings = GRPOSettings.from_config(cfg)
+    budget = 2 * int((batch["prompt_length"] + batch["reply_length"]).max())
+    cut = score_replies(batch, model, dataclasses.replace(settings, micro_batch_size=3, micro_batch_tokens=budget))
+    whole = score_replies(batch, model, dataclasses.replace(settings, micro_batch_size=8, micro_batch_tokens=None))
+    torch.testing.assert_close(cut, whole, atol=1e-5, rtol=1e-5)
+    mask = batch["reply_mask"]
+    torch.testing.assert_close(whole[mask], batch["behaviour_log_probs"][mask], atol=1e-4, rtol=1e-4)
 
 
 def test_truncated_is_clips_against_trainer_and_weights_by_capped_ratio(setup):
