@@ -70,7 +70,7 @@ def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
     ds = load_split(dataset, split, hub_config=hub_config, required_fields=("question", "answer"))
     where = f"env.dataset={dataset!r} split {split!r}"
     non_numeric = []
-    for i, (question, answer) in enumerate(zip(ds["question"][:], ds["answer"][:])):  # whole columns: see prompt_texts
+    for i, (question, answer) in enumerate(zip(prompt_texts(ds, "question"), prompt_texts(ds, "answer"))):
         if not isinstance(question, str) or not question.strip():
             raise DataError(f"{where} row {i}: the question must be non-empty text; got {question!r}.")
         if not isinstance(answer, str) or answer.count("#### ") != 1:
@@ -95,7 +95,7 @@ def load_prompt_rows(dataset: str, split: str, *, prompt_key: str = "prompt", an
         if column is not None and column not in ds.column_names:
             raise DataError(f"{key}={column!r}: {where} has no column {column!r}; its columns are {ds.column_names}. "
                             f"Set {key} to the column holding {holds}.")
-    for i, prompt in enumerate(ds[prompt_key][:]):  # the whole column: see prompt_texts
+    for i, prompt in enumerate(prompt_texts(ds, prompt_key)):
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataError(f"{where} row {i}: its env.prompt_key column {prompt_key!r} must hold non-empty text; "
                             f"got {prompt!r}.")
