@@ -12,6 +12,8 @@ from grpo.errors import ConfigError
 from grpo.rewards import ANSWER_EXTRACTIONS
 from grpo.user_rewards import parse_spec
 
+VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 def validate_config(cfg) -> None:
     def need(ok: bool, message: str) -> None:
@@ -104,6 +106,8 @@ def validate_config(cfg) -> None:
          f"{timeout!r} must be a number of seconds > 0 (how long one call of a reward function may take).")
     need(cfg.inference_model.backend in ("transformers", "vllm"), f"inference_model.backend="
          f"{cfg.inference_model.backend!r}; use transformers or vllm.")
+    need(im.vllm_log_level in VLLM_LOG_LEVELS, f"inference_model.vllm_log_level={im.vllm_log_level!r}; use one of "
+         f"{', '.join(VLLM_LOG_LEVELS)}.")
     need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")
     need(t.num_collectors >= 1, f"train.num_collectors={t.num_collectors} must be >= 1.")
     need(t.buffer_size >= 1, f"train.buffer_size={t.buffer_size} must be >= 1 (batches the async FIFO holds).")

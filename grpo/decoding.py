@@ -228,18 +228,29 @@ class ReplySampler(torch.nn.Module):
 
     @staticmethod
     def capture(args) -> callable:
-        """``decode_step(*args)`` compiled (fused kernels) and captured as one CUDA graph: its replay."""
+        """``decode_step(*args)`` compiled (fused kernels) and captured as one CUDA graph: its replay.
+
+        Streams and graphs belong to the current device, so both capture and replay run on the model's:
+        an engine on cuda:1 in a process whose current device is cuda:0 failed its capture.
+        """
+        device = args[0].device
         compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
-        side = torch.cuda.Stream()  # warm-up (compilation, autotuning) off the capture stream, as CUDA graphs need
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream()  # warm-up (compilation, autotuning) off the capture stream, as CUDA graphs need
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    compiled(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 compiled(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            compiled(*args)
-        return graph.replay
+
+        def replay():
+            with torch.cuda.device(device):
+                graph.replay()
+
+        return replay
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,

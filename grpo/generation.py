@@ -1,8 +1,34 @@
-"""What every generation engine shares: the sampling options, and the weights it is sent."""
+"""What every generation engine shares: its interface, the sampling options, and the weights it is sent."""
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """A generation engine as the scripts, eval and rollout workers use it, whatever its backend
+    (``grpo.inference.TransformersInference``, ``grpo.vllm_backend.VLLMInference``).
+
+    ``policy`` samples rollouts and ``greedy_policy`` evaluates: TorchRL policies taking chat histories
+    and returning replies with their sampled tokens' log-probs. ``version`` is the weights version last
+    pushed (``None``: the model files' weights, none pushed yet).
+    """
+
+    policy: object
+    greedy_policy: object
+    version: int | None
+
+    def push_weights(self, source, version: int) -> float:
+        """Generate with new weights (a model, or HF-named tensors); returns the seconds it took."""
+
+    def weights_checksum(self) -> int:
+        """``weights_checksum`` of the weights the engine generates with, read from the engine itself."""
+
+    def shutdown(self) -> None:
+        """Free the engine."""
 
 
 def generate_kwargs(cfg, tokenizer, *, greedy: bool, max_new_tokens: int, stop_ids: list[int]) -> dict:
@@ -69,6 +95,38 @@ def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
     return out
 
 
-def weights_checksum(weights: dict) -> float:
-    """A float64 sum over every tensor: equal sums on both sides show a push arrived."""
-    return float(sum(weights[k].detach().double().sum().item() for k in sorted(weights)))
+def tensor_place(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's values live: equal for two names of one tied weight."""
+    return tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape, tensor.stride()
+
+
+def distinct_tensors(weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor once, in name order: tied weights (the LM head sharing the embedding) appear under two
+    names, and an engine holding them once must checksum the same."""
+    seen, tensors = set(), []
+    for name in sorted(weights):
+        tensor = weights[name]
+        place = tensor_place(tensor)
+        if place not in seen:
+            seen.add(place)
+            tensors.append(tensor)
+    return tensors
+
+
+def tensor_bits_sum(tensor: torch.Tensor) -> int:
+    """The sum of a tensor's elements read as integers of their width: exact, so it does not depend on
+    the order of summation, and zeros add nothing."""
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return int(tensor.detach().contiguous().view(as_int).sum(dtype=torch.int64))
+
+
+def weights_checksum(tensors) -> int:
+    """The checksum an engine reports of the weights it holds and the trainer of those it sends.
+
+    Bit patterns summed as integers are the same however an engine lays the weights out: vLLM fuses
+    q/k/v and gate/up into one tensor each and pads the vocabulary with zero rows. ``tensors``: a dict of
+    HF-named weights (tied ones counted once) or the engine's own distinct tensors.
+    """
+    if isinstance(tensors, dict):
+        tensors = distinct_tensors(tensors)
+    return sum(tensor_bits_sum(tensor) for tensor in tensors) % 2**64  # int64 sums of huge tensors wrap

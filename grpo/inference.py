@@ -9,12 +9,13 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from grpo.decoding import ReplySampler
-from grpo.generation import generate_kwargs, inference_state_dict
+from grpo.generation import InferenceEngine, generate_kwargs, inference_state_dict, weights_checksum
 from grpo.models import load_causal_lm, torch_dtype
 
 
-def make_inference(cfg, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
-    """The generation engine ``inference_model.backend`` names, holding ``policy_model``'s weights."""
+def make_inference(cfg, policy_model, tokenizer, device: torch.device, stop_ids: list[int]) -> InferenceEngine:
+    """The generation engine ``inference_model.backend`` names. It starts with ``policy_model``'s weights,
+    or with ``None`` (a rollout worker, sent its weights later) with those of the ``model.name`` files."""
     if cfg.inference_model.backend == "transformers":
         return TransformersInference(cfg, policy_model, tokenizer, device, stop_ids)
     from grpo.vllm_backend import VLLMInference
@@ -23,8 +24,7 @@ def make_inference(cfg, policy_model, tokenizer, device: torch.device, stop_ids:
 
 
 class TransformersInference:
-    """Generation with transformers models and our decode loop (``grpo.decoding``): ``policy`` samples
-    rollouts, ``greedy_policy`` evaluates.
+    """Generation with transformers models and our decode loop (``grpo.decoding``): an ``InferenceEngine``.
 
     When generation runs on the training device in the same dtype, it uses the training model
     object itself, so updated weights are seen at once and a push costs nothing. Otherwise it loads
@@ -35,8 +35,8 @@ class TransformersInference:
 
     def __init__(self, cfg, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
         dtype = torch_dtype(cfg.inference_model.dtype, device)
-        param = next(policy_model.parameters())
-        if device == param.device and dtype == param.dtype:
+        param = None if policy_model is None else next(policy_model.parameters())
+        if param is not None and device == param.device and dtype == param.dtype:
             self.model = policy_model
         else:
             self.model = load_causal_lm(cfg.model.name, tokenizer, dtype=dtype, device=device)
@@ -47,7 +47,9 @@ class TransformersInference:
             cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens, stop_ids=stop_ids))
         self.greedy_policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
             cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens, stop_ids=stop_ids))
-        self.push_weights(policy_model, version=0)
+        self.version = None
+        if policy_model is not None:
+            self.push_weights(policy_model, version=0)
 
     @torch.no_grad()
     def push_weights(self, source, version: int) -> float:
@@ -59,6 +61,11 @@ class TransformersInference:
                 tensor.copy_(weights[name])
         self.version = version
         return time.perf_counter() - start
+
+    @torch.no_grad()
+    def weights_checksum(self) -> int:
+        """Of the weights the decode loop reads: with fused projections, views of the fused GEMM's weight."""
+        return weights_checksum(self.model.state_dict())
 
     def shutdown(self) -> None:
         pass

@@ -28,7 +28,7 @@ from tensordict import lazy_stack
 
 from grpo.data import PromptLedger, serve_from
 from grpo.errors import UserError
-from grpo.generation import weights_checksum
+from grpo.generation import tensor_place, weights_checksum
 from grpo.models import torch_dtype
 from grpo.setup import ray_pythonpath
 from grpo.user_rewards import take_reward_seconds
@@ -39,12 +39,12 @@ GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s")
 @ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
 class RolloutWorker:
     def __init__(self, cfg_dict: dict, worker_id: int, device: str, stop_ids: list[int], weights: dict, version: int,
-                 checksum: float):
+                 checksum: int):
         from tensordict import set_list_to_stack
 
         from grpo.envs import make_collector, make_env
         from grpo.inference import make_inference
-        from grpo.models import configure_attention_kernels, load_causal_lm, load_tokenizer
+        from grpo.models import configure_attention_kernels, load_tokenizer
         from grpo.setup import seed_everything
 
         set_list_to_stack(True).set()
@@ -53,9 +53,9 @@ class RolloutWorker:
         torch_device = torch.device(device)
         configure_attention_kernels(cfg)
         tokenizer = load_tokenizer(cfg.model.name)
-        model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.inference_model.dtype, torch_device),
-                               device=torch_device).eval().requires_grad_(False)
-        self.inference = make_inference(cfg, model, tokenizer, device=torch_device, stop_ids=stop_ids)
+        # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
+        # pending below, replace its weights before the first batch
+        self.inference = make_inference(cfg, None, tokenizer, device=torch_device, stop_ids=stop_ids)
         self.env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
                             num_envs=cfg.env.num_envs)
         self.collector = make_collector(self.env, self.inference.policy, cfg.env.num_envs)
@@ -64,7 +64,7 @@ class RolloutWorker:
         self._pending = (weights, version, checksum)  # the trainer's weights when this worker was started
         self._idle_since = time.perf_counter()
 
-    def set_weights(self, weights: dict, version: int, checksum: float) -> None:
+    def set_weights(self, weights: dict, version: int, checksum: int) -> None:
         with self._lock:
             self._pending = (weights, version, checksum)
 
@@ -88,9 +88,9 @@ class RolloutWorker:
         if pending is not None:
             weights, version, checksum = pending
             stats["weight_apply_s"] = self.inference.push_weights(weights, version=version)
-            # proof, not assumption: the generating model now holds exactly the pushed weights
-            applied = weights_checksum(self.inference.model.state_dict())
-            stats["pushes_verified" if applied == checksum else "pushes_mismatched"] += 1
+            # proof, not assumption: the engine, read back, now holds exactly the pushed weights
+            verified = self.inference.weights_checksum() == checksum
+            stats["pushes_verified" if verified else "pushes_mismatched"] += 1
 
 
 class RolloutWorkersLost(UserError):
@@ -136,7 +136,9 @@ class RolloutPool:
         cfg_dict, devices, stop_ids = self._worker_args
         runtime_env = {"env_vars": {"PYTHONPATH": ray_pythonpath(),
                                     # workers address GPUs by the allocation's logical ids
-                                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+                                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                                    # read by the worker's first vLLM import, before its engine starts
+                                    "VLLM_LOGGING_LEVEL": self.cfg.inference_model.vllm_log_level}}
         return RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(
             cfg_dict, worker_id, devices[worker_id % len(devices)], stop_ids, *self._weights)
 
@@ -216,8 +218,15 @@ class RolloutPool:
         self._assign()
 
     def _snapshot(self, weights: dict) -> dict:
-        """A device-side copy in the workers' dtype, which training may then change."""
-        return {k: v.detach().to(self.weights_dtype, copy=True) for k, v in weights.items()}
+        """A device-side copy in the workers' dtype, which training may then change. Tied weights stay one
+        tensor: the engines hold them once, and the checksum counts them once."""
+        copies, snapshot = {}, {}
+        for name, tensor in weights.items():
+            place = tensor_place(tensor)
+            if place not in copies:
+                copies[place] = tensor.detach().to(self.weights_dtype, copy=True)
+            snapshot[name] = copies[place]
+        return snapshot
 
     @staticmethod
     def _publish(snapshot: dict, version: int) -> tuple:

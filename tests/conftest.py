@@ -110,6 +110,16 @@ def finished_tiny_run(tmp_path_factory):
     return SimpleNamespace(run=run, run_dir=run_dir, stdout=printed.getvalue())
 
 
+def perturbed(weights: dict, seed: int) -> dict:
+    """A push's worth of new weights, tied ones kept tied (as the trainer sends them)."""
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    for name, tensor in weights.items():
+        tied = next((n for n in new if weights[n].data_ptr() == tensor.data_ptr()), None)
+        new[name] = new[tied] if tied else tensor + 1e-3 * torch.randn(tensor.shape, generator=g)
+    return new
+
+
 def reply_log_probs(model, batch) -> torch.Tensor:
     """``[S, R]`` log-probs the model gives a dense batch's reply tokens (no entropy, no grad needed)."""
     lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],

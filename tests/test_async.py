@@ -4,6 +4,7 @@ kills, SIGTERM and dead workers: each prompt batch trained as often as in an uni
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -104,6 +105,26 @@ def test_dynamic_sampling_trains_full_steps_and_consumes_every_batch_it_draws(tm
     assert drawn > len(rows), "the test needs steps that drew extra batches"
     state = last_checkpoint(tmp_path)["prompt_stream"]
     assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(drawn))
+
+
+def test_vllm_backend_with_two_workers_runs_and_every_push_is_read_back_from_the_engines(tmp_path):
+    """It could not run at all: each worker checksummed a model the vLLM engine does not have. Each push is
+    now checked against the weights read back from the worker's engine; vLLM logs at WARNING only."""
+    pytest.importorskip("vllm", reason="the vLLM backend needs vllm (scripts/install_vllm_cpu.sh on a CPU)")
+    steps = 8
+    proc = run_async(tmp_path, "inference_model.backend=vllm", "train.num_collectors=2", f"train.total_steps={steps}",
+                     "train.weight_update_frequency=1", "train.buffer_size=1", "train.max_policy_lag=2",
+                     "train.inference_is_cap=2.0", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = step_rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # a worker applies the latest push before each batch (7 of 8 steps' batches here): each matched the trainer's
+    assert rows[-1]["weight_pushes_verified"] >= steps // 2 and rows[-1]["weight_pushes_mismatched"] == 0
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    # both workers generate with newer weights as training goes on, never more than max_policy_lag behind
+    assert all(r["policy_lag_max"] <= 2 for r in rows) and rows[-1]["collector_version_min"] >= 1
+    vllm_info = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search(r"pid=\d+\) INFO ", line)]
+    assert not vllm_info, vllm_info[:5]
 
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "true"])

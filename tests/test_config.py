@@ -58,7 +58,7 @@ def test_every_key_has_a_comment(name):
     ("eval.max_new_tokens=0", r"eval.max_new_tokens=0 must be a whole number >= 1"),
     ("train.checkpoint_frequency=-1", r"train.checkpoint_frequency=-1 must be >= 0"),  # was: a checkpoint every step
     ("logging.keep_last=-1", r"logging.keep_last=-1 must be >= 0 \(0 or null: keep every checkpoint\)"),
-    ("inference_model.gpu_memory_utilization=1.5", r"inference_model.gpu_memory_utilization=1.5 must be in \(0, 1\]"),
+    ("inference_model.gpu_memory_utilization=1.5", r"inference_model.gpu_memory_utilization=1.5 must be in \(0, 1\]"),    ("inference_model.vllm_log_level=LOUD", r"inference_model.vllm_log_level='LOUD'; use one of DEBUG, INFO, WARNING"),
 ])
 def test_bad_values_name_key_and_fix(override, pattern):
     with pytest.raises(ConfigError, match=pattern):

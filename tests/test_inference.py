@@ -4,10 +4,10 @@ model object itself staying correct while it trains."""
 import pytest
 import torch
 
-from conftest import compose, reply_log_probs
+from conftest import compose, perturbed, reply_log_probs
 from grpo.batch import to_training_batch
 from grpo.envs import make_collector, make_env
-from grpo.generation import generate_kwargs
+from grpo.generation import InferenceEngine, generate_kwargs, weights_checksum
 from grpo.decoding import ReplySampler
 from grpo.inference import TransformersInference, make_transformers_policy
 from grpo.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
@@ -120,3 +120,27 @@ def test_generation_with_gradient_checkpointing_on_matches_generation_without(ti
         replies[checkpointing] = greedy_replies(inference, cfg, tok)
     assert replies[True] == replies[False]
     assert any(tok.eos_token_id in r for r in replies[True])
+
+
+def test_the_checksum_counts_tied_weights_once_and_ignores_fusing_and_zero_padding():
+    """vLLM holds q/k/v as one tensor, pads the vocabulary with zero rows and the LM head once."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, embed = (torch.randn(shape, generator=g) for shape in ((8, 4), (2, 4), (2, 4), (5, 4)))
+    hf_named = {"q": q, "k": k, "v": v, "embed": embed, "lm_head": embed}
+    engine_held = [torch.cat([q, k, v]), torch.cat([embed, torch.zeros(3, 4)])]
+    assert weights_checksum(hf_named) == weights_checksum(engine_held)
+    nudged = q.clone()
+    nudged[0, 0] = torch.nextafter(nudged[0, 0], torch.tensor(1.0))  # one bit of one weight
+    assert weights_checksum(hf_named | {"q": nudged}) != weights_checksum(hf_named)
+
+
+def test_transformers_engine_checksum_reads_its_weights_and_follows_a_push(tiny):
+    """A rollout worker's engine: built from the model files (no trainer model), then pushed to."""
+    cfg, tok, model = tiny
+    inference = TransformersInference(cfg, None, tok, torch.device("cpu"), stop_token_ids(tok, model.generation_config))
+    assert isinstance(inference, InferenceEngine) and inference.version is None and inference.model is not model
+    assert inference.weights_checksum() == weights_checksum(model.state_dict())
+    new = perturbed(model.state_dict(), seed=1)
+    inference.push_weights(new, version=3)
+    assert inference.version == 3
+    assert inference.weights_checksum() == weights_checksum(new) != weights_checksum(model.state_dict())

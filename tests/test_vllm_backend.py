@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo.errors import ConfigError
-from grpo.generation import inference_state_dict, merged_state_dict
+from grpo.generation import InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
 from grpo.vllm_backend import (
     check_vllm_available,
     check_vllm_model_shape,
@@ -314,5 +314,27 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
         assert all(0 < r.numel() <= 6 and lp.shape == r.shape for r, lp in zip(resp, lps))
         assert all(0 < r.numel() <= 5 for r in greedy.get(("tokens", "response"), as_list=True))
         assert inf.push_weights(hf_model.state_dict(), version=7) >= 0 and inf.version == 7
+    finally:
+        inf.shutdown()
+
+
+def test_vllm_engine_checksum_is_read_back_from_the_engine_and_follows_a_push(model_dir, tokenizer, hf_model, llm):
+    """A rollout worker's engine: no transformers model built; the checksum is read from the engine's model
+    (on CPU through its packed GEMM kernels), so a push that changed nothing would not pass."""
+    from conftest import compose, perturbed
+
+    from grpo.inference import make_inference
+    from grpo.models import stop_token_ids
+
+    cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm"])
+    inf = make_inference(cfg, None, tokenizer, device=torch.device("cpu"),
+                         stop_ids=stop_token_ids(tokenizer, hf_model.generation_config))
+    try:
+        assert isinstance(inf, InferenceEngine) and inf.version is None
+        assert inf.weights_checksum() == weights_checksum(hf_model.state_dict())  # the files' weights
+        new = perturbed(hf_model.state_dict(), seed=1)
+        inf.push_weights(new, version=5)
+        assert inf.version == 5
+        assert inf.weights_checksum() == weights_checksum(new) != weights_checksum(hf_model.state_dict())
     finally:
         inf.shutdown()
