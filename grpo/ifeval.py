@@ -43,7 +43,7 @@ from torchrl.envs.llm import IFEvalEnv
 from grpo.data import StreamLoader, load_split
 from grpo.errors import ConfigError, DataError
 from grpo.ifeval_checks import ROW_FIELDS, check_instruction, normalize_kwargs, validate_rows
-from grpo.rewards import is_well_formatted
+from grpo.rewards import is_well_formatted, special_tokens, strip_trailing_special_tokens
 
 
 # --------------------------------------------------------------------------------------
@@ -230,10 +230,10 @@ class IFEvalReward(Transform):
     A ``reward`` already present (another reward transform) is added to, not overwritten.
 
     Args:
-        tokenizer: used to decode tokens mode and to know the EOS token to strip.
+        tokenizer: used to decode tokens mode and to know the special tokens stripped from a reply's end.
         weights: reward weights (see :data:`DEFAULT_REWARD_WEIGHTS`), a plain dict.
         instruction_ids_key, kwargs_key: data field names.
-        eos_token: stripped from the end of responses; defaults to ``tokenizer.eos_token``.
+        eos_token: stripped from the end of responses too (the tokenizer's special tokens always are).
         input_mode: ``"history"``, ``"text"`` or ``"tokens"``; defaults to the parent env's.
     """
 
@@ -256,7 +256,9 @@ class IFEvalReward(Transform):
         self.kwargs_key = kwargs_key
         if eos_token is None and tokenizer is not None:
             eos_token = tokenizer.eos_token
-        self.eos_token = eos_token
+        # the reply a user reward function sees too (grpo.user_rewards): every trailing special token cut
+        specials = set(special_tokens(tokenizer)) | ({eos_token} if eos_token else set())
+        self.specials = tuple(sorted(specials, key=len, reverse=True))
         self._input_mode = input_mode
 
     @property
@@ -289,13 +291,7 @@ class IFEvalReward(Transform):
             ]
         else:
             raise ValueError(f"unknown input_mode {mode!r}")
-        cleaned = []
-        for text in texts:
-            text = text or ""
-            for suffix in filter(None, (self.eos_token, "<|im_end|>")):
-                text = text.rstrip().removesuffix(suffix)
-            cleaned.append(text)
-        return cleaned
+        return [strip_trailing_special_tokens(text or "", self.specials) for text in texts]
 
     def _field(self, tensordict, next_tensordict, key) -> list:
         for td in (tensordict, next_tensordict):

@@ -331,6 +331,23 @@ def test_torchrl_ifeval_env_with_ifeval_reward(tokenizer):
     assert nxt["done"].all()
 
 
+def test_the_checker_sees_the_reply_a_user_reward_sees_every_trailing_special_token_cut(tokenizer):
+    """It cut one eos and one <|im_end|>: a reply ending in <|im_end|> and a pad failed the format check, while
+    a user reward function in the same run read it without them."""
+    from torchrl.envs.llm import IFEvalEnv
+
+    from grpo.rewards import special_tokens, strip_trailing_special_tokens
+
+    env = IFEvalEnv(dataset=str(DATA), shuffle=False, seed=0, num_envs=2, tokenizer=tokenizer, compute_reward=False)
+    env.append_transform(IFEvalReward(tokenizer=tokenizer))
+    answer = "<think>easy</think><answer>cats sleep all day long and purr softly.</answer>"
+    replies = [answer + tokenizer.eos_token * 2, answer + "<|im_end|>" + tokenizer.pad_token + " \n"]
+    assert {strip_trailing_special_tokens(r, special_tokens(tokenizer)) for r in replies} == {answer}
+    _, nxt = _step_with(env, replies)
+    assert _values(nxt, "format_ok") == [1.0, 1.0]
+    assert _values(nxt, "prompt_level_loose_acc") == [1.0, 1.0]
+
+
 def test_make_ifeval_env_validates_and_rewards(tokenizer, tmp_path):
     env = make_ifeval_env(DATA, "test", tokenizer=tokenizer, shuffle=False, seed=0, num_envs=3, weights={"format": 0.5})
     # test.jsonl rows 0-2: english_lowercase; no_comma; number_words < 10.
