@@ -9,6 +9,7 @@ imported lazily: importing this module never needs vLLM; starting an engine does
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import time
 from functools import partial
@@ -113,6 +114,19 @@ def configure_vllm_env(*, device: str | None = None, cpu_kvcache_space_gb: float
     return device_is_cpu
 
 
+def _has_weights(record: logging.LogRecord) -> bool:
+    return not record.getMessage().endswith("RotaryEmbedding: Failed to load weights")
+
+
+def quiet_weightless_reload_warnings() -> None:
+    """Drop vLLM's "RotaryEmbedding: Failed to load weights" line, printed at every weight push: a rotary
+    embedding has no weights to load, only a cos/sin cache that vLLM puts back itself. Other layers'
+    warnings stay: for them it would mean a push that missed."""
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if _has_weights not in log.filters:
+        log.addFilter(_has_weights)
+
+
 def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None, max_model_len: int = 512,
                      gpu_memory_utilization: float | None = None, tensor_parallel_size: int = 1,
                      enforce_eager: bool | None = None, seed: int = 0, cpu_kvcache_space_gb: float | None = None,
@@ -153,6 +167,7 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
     check_vllm_available()
     import vllm
 
+    quiet_weightless_reload_warnings()
     if dtype is None:
         dtype = "float32" if device_is_cpu else "auto"
     if gpu_memory_utilization is None:

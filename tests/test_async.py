@@ -125,6 +125,7 @@ def test_vllm_backend_with_two_workers_runs_and_every_push_is_read_back_from_the
     assert all(r["policy_lag_max"] <= 2 for r in rows) and rows[-1]["collector_version_min"] >= 1
     vllm_info = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search(r"pid=\d+\) INFO ", line)]
     assert not vllm_info, vllm_info[:5]
+    assert "Failed to load weights" not in proc.stdout + proc.stderr  # a rotary embedding's, at every push
 
 
 @pytest.mark.parametrize("value", ["-1", "1.5", "true"])
