@@ -70,7 +70,7 @@ def load_gsm8k(dataset: str, split: str, hub_config: str | None = "main"):
     ds = load_split(dataset, split, hub_config=hub_config, required_fields=("question", "answer"))
     where = f"env.dataset={dataset!r} split {split!r}"
     non_numeric = []
-    for i, (question, answer) in enumerate(zip(prompt_texts(ds, "question"), prompt_texts(ds, "answer"))):
+    for i, (question, answer) in enumerate(zip(column_values(ds, "question"), column_values(ds, "answer"))):
         if not isinstance(question, str) or not question.strip():
             raise DataError(f"{where} row {i}: the question must be non-empty text; got {question!r}.")
         if not isinstance(answer, str) or answer.count("#### ") != 1:
@@ -95,7 +95,7 @@ def load_prompt_rows(dataset: str, split: str, *, prompt_key: str = "prompt", an
         if column is not None and column not in ds.column_names:
             raise DataError(f"{key}={column!r}: {where} has no column {column!r}; its columns are {ds.column_names}. "
                             f"Set {key} to the column holding {holds}.")
-    for i, prompt in enumerate(prompt_texts(ds, prompt_key)):
+    for i, prompt in enumerate(column_values(ds, prompt_key)):
         if not isinstance(prompt, str) or not prompt.strip():
             raise DataError(f"{where} row {i}: its env.prompt_key column {prompt_key!r} must hold non-empty text; "
                             f"got {prompt!r}.")
@@ -144,7 +144,7 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     im = cfg.inference_model
     for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
                               (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        prompts = prompt_texts(splits[split], column)
+        prompts = column_values(splits[split], column)
         room = im.max_model_len - reply
         maybe_long = [i for i, prompt in enumerate(prompts) if bound(prompt) > room]
         counts = dict(zip(maybe_long, prompt_token_counts(tokenizer, system, [prompts[i] for i in maybe_long])))
@@ -220,7 +220,7 @@ def check_prompt_text(cfg, tokenizer, splits: dict) -> None:
     found = special_token_pattern(tokenizer)
     column = prompt_column(cfg)
     for split, rows in splits.items():
-        for i, prompt in enumerate(prompt_texts(rows, column)):
+        for i, prompt in enumerate(column_values(rows, column)):
             match = found.search(prompt)
             if match:
                 raise DataError(
@@ -287,7 +287,7 @@ def task_system_prompt(cfg) -> str | None:
     return TASK_ENVS[cfg.env.task].system_prompt(cfg) if cfg.env.system_prompt is None else cfg.env.system_prompt
 
 
-def prompt_texts(rows, column: str) -> list[str]:
+def column_values(rows, column: str) -> list:
     """The ``column`` of a split as ``load_split`` returned it (a datasets.Dataset or a list of dicts), as a list:
     a Dataset's column read whole, in one arrow call (iterating its lazy column decodes row by row, 7 us each)."""
     return rows[column][:] if hasattr(rows, "column_names") else [row[column] for row in rows]

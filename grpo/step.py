@@ -16,8 +16,8 @@
 
 Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read
 the config, and it runs the same on one data-parallel rank or many (a rank wraps ``policy`` and
-hands in its own share of the rollouts; ``LossTotals`` are what its sums would divide by). Same estimators as TorchRL's ``GRPOLoss``
-(tests/test_step.py checks value and gradient against it); why not ``GRPOLoss`` itself: it runs on
+hands in its own share of the rollouts; ``LossTotals`` are what its sums would divide by). Same
+estimators as TorchRL's ``GRPOLoss`` (tests/test_step.py checks value and gradient against it); why not ``GRPOLoss`` itself: it runs on
 per-sample tensordicts and computes full-vocabulary logits at every prompt position; on a 0.5B model
 it used 2.4x TRL's GPU memory. Unlike TorchRL 0.14.1, KL terms and diagnostics average over reply
 tokens only, so they do not shrink as prompts grow.

@@ -145,8 +145,8 @@ def test_the_readme_example_learns_on_cpu(tmp_path):
     +0.16 to +0.46; 20 steps were too few to tell, +0.11 to +0.41)."""
     command = readme_command()
     assert command[:2] == ["python", "grpo/grpo.py"]
-    proc = subprocess.run([sys.executable, str(REPO / "grpo" / "grpo.py"), *command[2:], "eval.frequency=0", "logging.progress_bar=false", "logging.export=false",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(REPO / "grpo" / "grpo.py"), *command[2:], "eval.frequency=0",
+                           "logging.progress_bar=false", "logging.export=false", f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rewards = [r["reward"] for r in rows if "reward" in r]
