@@ -133,13 +133,17 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
 
 
 def enable_activation_checkpointing(model) -> None:
-    """Recompute activations in backward; transformers 5.24 renamed ``gradient_checkpointing_enable`` (the old
-    name warns), the GPU machines run 5.17."""
+    """Recompute activations in backward (non-reentrant); transformers 5.24 renamed ``gradient_checkpointing_enable``
+    (the old name warns), the GPU machines run 5.17."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # Both also hook the input embeddings to set requires_grad on their output, which only reentrant
+    # checkpointing needs. Where the sampler is this very model (one GPU, same dtype), the hook runs in the
+    # compiled decode step and torch.compile refuses it (H200, torch 2.11: "Unsupported Tensor.requires_grad_()").
+    model.disable_input_require_grads()
 
 
 def load_reference_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):

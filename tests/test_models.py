@@ -43,3 +43,22 @@ def test_reference_starts_as_the_policy_and_stays_frozen(tiny_model_dir):
     assert any(p.requires_grad for p in policy.parameters()) and not any(p.requires_grad for p in ref.parameters())
     policy_weights = policy.state_dict()
     assert all(torch.equal(policy_weights[name], w) for name, w in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_activation_checkpointing_leaves_no_grad_calls_untouched_and_still_trains(tiny_model_dir, lora):
+    # One GPU samples with the trained model itself: a call under no_grad (the compiled decode step) must not set
+    # requires_grad anywhere (transformers' input-embedding hook did, and torch.compile refused it on a GPU)
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", "train_model.gradient_checkpointing=true",
+                                f"train_model.lora.enabled={lora}"])
+    tok = load_tokenizer(cfg.model.name)
+    policy = load_policy_model(cfg, tok, torch.device("cpu"))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert not policy.get_input_embeddings()(ids).requires_grad
+    policy.train()  # HF checkpoints activations in train mode only
+    policy(input_ids=ids).logits.float().pow(2).mean().backward()
+    trained = {name: p for name, p in policy.named_parameters() if p.requires_grad}
+    assert trained and all(p.grad is not None for p in trained.values())
+    # LoRA's B starts at zero, so A's first gradient is zero too; every other trained weight gets one
+    assert all(p.grad.abs().sum() > 0 for name, p in trained.items() if "lora_A" not in name)
