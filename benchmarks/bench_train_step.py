@@ -95,8 +95,9 @@ def main(argv=None) -> None:
 
     from bench_vs_trl import build_random_init_model
     from grpo.models import load_policy_model, load_tokenizer
-    from grpo.run import make_optimizer, make_scheduler
-    from grpo.step import GRPOSettings, GRPOStep, score_replies
+    from grpo.trainer import make_optimizer, make_scheduler
+    from grpo.logprobs import score_replies
+    from grpo.step import GRPOSettings, GRPOStep
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     variants = [parse_variant(v) for v in args.variants.split(";")]

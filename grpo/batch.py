@@ -89,3 +89,39 @@ def prompt_group_ids(batch: TensorDict) -> torch.Tensor:
     for tokens, length in zip(batch["input_ids"], batch["prompt_length"]):
         rows.append(ids.setdefault(tuple(tokens[width_p - int(length):width_p].tolist()), len(ids)))
     return torch.tensor(rows)
+
+
+def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None):
+    """``(rows, trimmed micro-batch)`` pairs covering ``batch``: rows sorted by length and cut greedily
+    at ``max_rows`` rows or ``max_tokens`` padded tokens (rows x trimmed width), so short replies
+    share micro-batches and are not padded to the longest reply of a random draw."""
+    lengths = batch["prompt_length"] + batch["reply_length"]
+    order = lengths.argsort(stable=True).tolist()
+    prompt_len, reply_len = batch["prompt_length"].tolist(), batch["reply_length"].tolist()
+    cuts, current, width_p, width_r = [], [], 0, 0
+    for row in order:
+        wp, wr = max(width_p, prompt_len[row]), max(width_r, reply_len[row])
+        if current and (len(current) == max_rows or (max_tokens and (len(current) + 1) * (wp + wr) > max_tokens)):
+            cuts.append(current)
+            current, wp, wr = [], prompt_len[row], reply_len[row]
+        current.append(row)
+        width_p, width_r = wp, wr
+    cuts.append(current)
+    for rows in cuts:
+        index = torch.tensor(rows)
+        yield index, trim_padding(batch[index])
+
+
+def rollout_metrics(rollouts, batch: TensorDict) -> dict:
+    """What a step trained on: reward, success, reply lengths and truncation, and which data rows."""
+    metrics = {
+        "reward": batch["reward"].mean().item(),
+        "success_rate": rollouts.get(("next", "success")).float().mean().item(),
+        "response_length": batch["reply_length"].float().mean().item(),
+        "response_length_max": int(batch["reply_length"].max()),
+        # replies cut by max_new_tokens before any stop token
+        "response_truncated_fraction": 1 - batch["reply_stopped"].float().mean().item(),
+    }
+    if "row_index" in rollouts.keys():  # which data rows were trained on (resume tests compare them)
+        metrics["prompt_indices"] = sorted({int(i) for i in rollouts["row_index"].flatten().tolist()})
+    return metrics

@@ -18,49 +18,27 @@ from pathlib import Path
 # `python grpo/grpo-async.py` puts grpo/ first on sys.path, where grpo.py would shadow the grpo package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import time  # noqa: E402
-
 import ray  # noqa: E402
 
 from grpo.data import PromptLedger  # noqa: E402
-from grpo.dynamic_sampling import draw_step_batch  # noqa: E402
 from grpo.generation import inference_state_dict  # noqa: E402
 from grpo.ray_collectors import RolloutPool  # noqa: E402
-from grpo.run import TrainingRun  # noqa: E402
+from grpo.run import Run, start_run, train_loop  # noqa: E402
 from grpo.setup import hydra_main, ray_pythonpath  # noqa: E402
 
 
-def train(cfg) -> TrainingRun:
-    run = TrainingRun(cfg, inference_engines=cfg.train.num_collectors, dedicated_inference=True)
+def train(cfg) -> Run:
+    run = start_run(cfg, inference_engines=cfg.train.num_collectors, dedicated_inference=True)
     ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, ignore_reinit_error=True)
     run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
-    pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,
-                       inference_state_dict(run.policy_model), run.policy_version)  # restored weights on resume
-    run.checkpoint_extras = lambda: {"prompt_stream": ledger.state()}
-    pushed_at = run.policy_version
     try:
-        with run.guard():
-            run.evaluate_if_due(force=True)
-            for step in run.steps():
-                t0 = time.perf_counter()
-                rollouts, filtering = draw_step_batch(  # whole groups, at most max_policy_lag steps stale
-                    lambda: pool.next_rollouts(run.policy_version), cfg.train.dialog_turns_per_batch,
-                    dynamic=cfg.train.dynamic_sampling, max_extra_batches=cfg.train.max_extra_generation_batches)
-                metrics = run.train_on(rollouts)    # dense batch, reference and KL, advantages, clipped loss, optimiser
-                pool.commit()                       # its prompt batches now count as trained
-                if run.policy_version - pushed_at >= cfg.train.weight_update_frequency:
-                    metrics["weight_sync_s"] = pool.push_weights(inference_state_dict(run.policy_model),
-                                                                 version=run.policy_version)
-                    pushed_at = run.policy_version
-                run.log_step(step, metrics | filtering | pool.step_metrics(), t0)
-                run.evaluate_if_due()
-                run.checkpoint_if_due()
+        pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,  # on resume: its weights
+                           inference_state_dict(run.trainer.policy_model), run.trainer.policy_version)
+        return train_loop(run, pool)
     finally:
-        pool.shutdown()
         ray.shutdown()
-    return run
 
 
 if __name__ == "__main__":

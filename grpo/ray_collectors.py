@@ -28,7 +28,7 @@ from tensordict import lazy_stack
 
 from grpo.data import PromptLedger, serve_from
 from grpo.errors import UserError
-from grpo.generation import tensor_place, weights_checksum
+from grpo.generation import inference_state_dict, tensor_place, weights_checksum
 from grpo.models import torch_dtype
 from grpo.setup import ray_pythonpath
 from grpo.user_rewards import take_reward_seconds
@@ -117,6 +117,7 @@ class RolloutPool:
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         self._worker_args = (OmegaConf.to_container(cfg, resolve=True), [str(d) for d in devices], stop_ids)
         self._weights = self._publish(self._snapshot(weights), version)  # what a (re)started worker begins with
+        self.pushed_version = version
         self.workers = [self._start_worker(i) for i in range(cfg.train.num_collectors)]
         self.assigned: list[tuple[ray.ObjectRef, int, int]] = []  # (replies, worker, batch index), in assignment order
         self.taken: list[int] = []  # batch indices the step in progress took (trained or dropped)
@@ -159,6 +160,16 @@ class RolloutPool:
         """The step that took the last batches completed: from now on they count as consumed."""
         self.ledger.consume(self.taken)
         self.taken = []
+
+    def after_update(self, policy_model, version: int) -> dict:
+        """A push every ``train.weight_update_frequency`` optimiser steps (grpo.local_rollouts says what a source does)."""
+        if version - self.pushed_version < self.cfg.train.weight_update_frequency:
+            return {}
+        self.pushed_version = version
+        return {"weight_sync_s": self.push_weights(inference_state_dict(policy_model), version=version)}
+
+    def state(self) -> dict:
+        return {"prompt_stream": self.ledger.state()}
 
     def _next_batch(self, trainer_version: int):
         """The next batch generated at most ``train.max_policy_lag`` optimiser steps ago."""

@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from tensordict import set_list_to_stack
 
-from grpo.step import token_log_probs
+from grpo.logprobs import token_log_probs
 
 from tools.compose import compose_config as compose  # noqa: F401 - the tests import it from here
 
@@ -101,7 +101,7 @@ SHORT_RUN = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_p
 
 @pytest.fixture(scope="session")
 def finished_tiny_run(tmp_path_factory):
-    """A finished 2-step run of grpo/grpo.py on the tiny task, trained in this process: its ``TrainingRun``
+    """A finished 2-step run of grpo/grpo.py on the tiny task, trained in this process: its ``Run``
     (the trained policy still in memory), its run dir and what it printed. Tests must leave it as it is."""
     run_dir = tmp_path_factory.mktemp("finished_tiny_run")
     printed = io.StringIO()

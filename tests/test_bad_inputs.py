@@ -23,7 +23,7 @@ from grpo.export import export_checkpoint
 from grpo.decoding import ReplySampler
 from grpo.inference import make_inference, make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer
-from grpo.run import TrainingRun
+from grpo.run import start_run
 
 # A run small enough to build in-process in seconds (the resume and length checks run while it is built)
 SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",
@@ -47,12 +47,12 @@ def gsm8k_folder(tmp, train):
 
 
 def build_run(run_dir, *overrides):
-    """``TrainingRun`` as the sync script builds it, in ``run_dir`` (hydra.run.dir)."""
+    """``start_run`` as the sync script calls it, in ``run_dir`` (hydra.run.dir)."""
     cfg = compose_in_run_dir(run_dir, [*SMALL, *overrides])
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return TrainingRun(cfg, inference_engines=1, dedicated_inference=False)
-    finally:  # TrainingRun claims SIGINT/SIGTERM; give them back to pytest
+        return start_run(cfg, inference_engines=1, dedicated_inference=False)
+    finally:  # start_run claims SIGINT/SIGTERM; give them back to pytest
         for s, handler in handlers.items():
             signal.signal(s, handler)
 
@@ -62,9 +62,9 @@ def made_run(tmp_path_factory):
     """A run dir holding a real checkpoint (of the tiny model), as a finished run leaves it."""
     run_dir = tmp_path_factory.mktemp("made_run")
     run = build_run(run_dir)
-    run.checkpoint_if_due(force=True)
-    run.inference.shutdown()
-    run.logger.close(0)
+    run.checkpoint_if_due({}, force=True)
+    run.engine.shutdown()
+    run.records.logger.close(0)
     return run_dir
 
 
@@ -93,7 +93,7 @@ def config(*overrides):
 
 
 def gsm8k_train(train):
-    """The train split loaded as ``TrainingRun`` loads it, and its size checked against one step's prompts."""
+    """The train split loaded as ``start_run`` loads it, and its size checked against one step's prompts."""
     def load(ctx):
         folder = gsm8k_folder(ctx.tmp, train)
         warn_if_too_few_rows(compose("grpo_tiny"), len(TASK_ENVS["gsm8k"].load_split(str(folder), "train")))
@@ -181,7 +181,7 @@ batch.batched = True
 
 def generic_task(*overrides):
     """``env.task=generic`` over GOOD (question, answer) with reward functions from {tmp}/rewards.py, loaded
-    as ``TrainingRun`` loads it: the config checked, the splits read, the functions imported and checked."""
+    as ``start_run`` loads it: the config checked, the splits read, the functions imported and checked."""
     def load(ctx):
         (ctx.tmp / "rewards.py").write_text(REWARDS)
         cfg = compose("grpo_tiny", [f"model.name={TINY_MODEL}", "env.task=generic", "env.prompt_key=question",
@@ -229,7 +229,7 @@ def case(id, action, expected, *words, absent=()):
 
 
 CASES = [
-    # config values: validate_config, the first thing TrainingRun does
+    # config values: validate_config, the first thing start_run does
     case("lr-negative", config("optimizer.lr=-1e-4"), ConfigError, "optimizer.lr=-0.0001", "must be > 0", "default"),
     case("lr-zero", config("optimizer.lr=0"), ConfigError, "optimizer.lr=0", "must be > 0", "nothing trains"),
     case("temperature-zero", config("inference_model.temperature=0"), ConfigError,
@@ -255,7 +255,7 @@ CASES = [
     case("samples_count-zero", config("logging.samples_count=0"), ConfigError, "logging.samples_count=0", ">= 1"),
     case("vllm-not-installed", vllm_not_installed, ConfigError, "vllm", "pip install",
          "inference_model.backend=transformers"),
-    # data rows: each task's load_split, as TrainingRun calls it
+    # data rows: each task's load_split, as start_run calls it
     case("malformed-json", gsm8k_train(jsonl(GOOD[:2]) + "{not json\n"), DataError,
          "env.dataset=", "train.jsonl", "JSON", "row 2"),
     case("row-without-answer", gsm8k_train(GOOD[:2] + [{"question": "What is 2 + 2?"}]), DataError,
@@ -285,7 +285,7 @@ CASES = [
          "model.name=", "lacks config.json", "save_pretrained", absent=("Offline",)),
     case("model-without-tokenizer", model_folder_without("tokenizer*"), ModelLoadError,
          "model.name=", "lacks a tokenizer", "save_pretrained", absent=("Offline",)),
-    # run dirs and resume: TrainingRun, before any model loads
+    # run dirs and resume: start_run, before any model loads
     case("resume-another-model", resume_with_another_model, ResumeError,
          "resume", "model.name=", "smollm2-135m-instruct", "as it was, or start without resume"),
     case("resume-foreign-payload", resume_a_foreign_payload, ResumeError,

@@ -4,7 +4,7 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 from grpo.batch import to_training_batch
-from grpo.step import rollout_metrics
+from grpo.batch import rollout_metrics
 
 EOS, PAD = 2, 0
 

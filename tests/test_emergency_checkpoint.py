@@ -87,7 +87,7 @@ def test_a_crash_in_generation_keeps_the_finished_steps_as_a_periodic_checkpoint
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in range(1, 5):
         assert a[step]["prompt_indices"] == b[step]["prompt_indices"] and a[step]["reward"] == b[step]["reward"]
-    for p, q in zip(from_periodic.policy_model.parameters(), from_emergency.policy_model.parameters()):
+    for p, q in zip(from_periodic.trainer.policy_model.parameters(), from_emergency.trainer.policy_model.parameters()):
         assert torch.equal(p, q)
 
 

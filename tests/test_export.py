@@ -43,10 +43,10 @@ def test_transformers_reloads_the_export_with_the_trained_policys_logits(finishe
     batch = prompt_batch(run.tokenizer)
     reloaded = AutoModelForCausalLM.from_pretrained(export).eval()
     assert reloaded.dtype == torch.float32
-    assert torch.equal(logits(reloaded, batch), logits(run.policy_model, batch))
+    assert torch.equal(logits(reloaded, batch), logits(run.trainer.policy_model, batch))
     # the trained weights, not the ones the run started from
     untrained = load_causal_lm(str(tiny_model_dir), run.tokenizer, dtype=torch.float32, device=torch.device("cpu"))
-    assert not torch.allclose(logits(untrained, batch), logits(run.policy_model, batch), atol=1e-4)
+    assert not torch.allclose(logits(untrained, batch), logits(run.trainer.policy_model, batch), atol=1e-4)
 
 
 def test_the_tokenizer_chat_template_and_generation_config_reload_as_the_run_used_them(finished):

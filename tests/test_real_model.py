@@ -15,7 +15,7 @@ from conftest import TINY_DATA, compose
 from grpo.envs import make_collector, make_env
 from grpo.inference import TransformersInference
 from grpo.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
-from grpo.run import make_optimizer, make_scheduler
+from grpo.trainer import make_optimizer, make_scheduler
 from grpo.step import GRPOSettings, GRPOStep
 
 MAX_NEW_TOKENS = 48

@@ -1,4 +1,4 @@
-"""grpo/run.py: the state both scripts share, driven as the async script drives it."""
+"""grpo/run.py: the run both scripts share, driven as the async script drives it."""
 
 import hashlib
 import os
@@ -12,35 +12,35 @@ from conftest import SHORT_RUN, compose_in_run_dir, sync_script
 from grpo.checkpoint import load_checkpoint
 from grpo.envs import make_collector, make_env
 from grpo.logger import read_metrics
-from grpo.run import TrainingRun
+from grpo.run import start_run
 
 
 @pytest.fixture
 def async_run(tmp_path, tiny_model_dir, tiny_data_dir):
-    """A TrainingRun as grpo-async.py builds it (dedicated inference: its own engine only evaluates),
+    """A run as grpo-async.py starts it (dedicated inference: its own engine only evaluates),
     with the vLLM backend, so that engine holds a copy of the weights rather than the policy itself."""
     pytest.importorskip("vllm")
     cfg = compose_in_run_dir(tmp_path, [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "logger=none",
                                 "logging.progress_bar=false", "inference_model.backend=vllm", "env.repeats=4",
                                 "env.num_envs=8", "train.dialog_turns_per_batch=8", "train.optim_batch_size=4",
                                 "train.gradient_accumulation_steps=1", "train.epochs=1", "eval.num_problems=8", "eval.batch_size=8"])
-    run = TrainingRun(cfg, inference_engines=1, dedicated_inference=True)
+    run = start_run(cfg, inference_engines=1, dedicated_inference=True)
     yield run
-    run.inference.shutdown()
-    run.logger.close()
+    run.engine.shutdown()
+    run.records.logger.close()
 
 
 def test_policy_version_counts_optimiser_steps_and_eval_sees_them(async_run):
     run = async_run
     env = make_env(run.cfg, run.tokenizer, split="train", repeats=4, num_envs=8)
-    rollouts = next(iter(make_collector(env, run.inference.policy, 8))).reshape(-1)
+    rollouts = next(iter(make_collector(env, run.engine.policy, 8))).reshape(-1)
     metrics = run.train_on(rollouts)
     # 8 replies in minibatches of 4, one epoch: two optimiser steps, whatever the script
-    assert metrics["optim_steps"] == 2 and run.policy_version == metrics["policy_version"] == 2
+    assert metrics["optim_steps"] == 2 and run.trainer.policy_version == metrics["policy_version"] == 2
     # the engine that evaluates got no push from the training loop (the workers did): eval pushes first
-    assert run.inference.version == 0
+    assert run.engine.version == 0
     run.evaluate_if_due(force=True)
-    assert run.inference.version == run.policy_version == 2
+    assert run.engine.version == run.trainer.policy_version == 2
 
 
 def files_and_hashes(folder):
@@ -110,8 +110,8 @@ def test_total_steps_0_evaluates_a_checkpoint_and_writes_nothing_else(finished_t
     # the weights it resumed, evaluated as the trained run evaluated them at its end
     trained_eval = [r for r in read_metrics(trained_dir / "metrics.jsonl") if "eval/accuracy" in r][-1]
     assert rows[1]["eval/accuracy"] == trained_eval["eval/accuracy"]
-    assert run.policy_version == saved["counters"]["policy_version"]  # no optimiser step
-    weights = run.policy_model.state_dict()
+    assert run.trainer.policy_version == saved["counters"]["policy_version"]  # no optimiser step
+    weights = run.trainer.policy_model.state_dict()
     assert all(torch.equal(weights[name], tensor) for name, tensor in saved["model"].items())
     # nothing written: no checkpoint or export here, the trained run untouched
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "export").exists()
@@ -125,8 +125,8 @@ def test_total_steps_0_evaluates_model_name(tmp_path, tiny_model_dir):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r.get("event") for r in rows] == ["eval_only", None] and [r["step"] for r in rows] == [0, 0]
     assert 0 <= rows[1]["eval/accuracy"] <= 1 and rows[1]["eval/num_problems"] == 16
-    assert run.policy_version == 0 and run.last_checkpoint is None
+    assert run.trainer.policy_version == 0 and run.records.last_checkpoint is None
     original = load_file(tiny_model_dir / "model.safetensors")
-    weights = run.policy_model.state_dict()
+    weights = run.trainer.policy_model.state_dict()
     assert all(torch.equal(weights[name], tensor) for name, tensor in original.items())
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "export").exists()

@@ -12,16 +12,17 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from conftest import compose, reply_log_probs
-from grpo.batch import prompt_group_ids, to_training_batch, trim_padding
+from grpo.batch import micro_batches, prompt_group_ids, to_training_batch, trim_padding
 from grpo.envs import make_env
 from grpo.generation import generate_kwargs
 from grpo.decoding import ReplySampler
 from grpo.inference import make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
-from grpo.run import make_optimizer, make_scheduler
+from grpo.trainer import make_optimizer, make_scheduler
 from grpo.setup import resolve_local_paths
-from grpo.step import (GRPOSettings, GRPOStep, LossTotals, grpo_terms, group_advantages, micro_batches,
-                       overlong_penalty, per_sample_kl_to_ref, score_replies, token_log_probs, weighted_loss)
+from grpo.logprobs import score_replies, token_log_probs
+from grpo.step import (GRPOSettings, GRPOStep, LossTotals, grpo_terms, group_advantages, overlong_penalty,
+                       per_sample_kl_to_ref, weighted_loss)
 
 
 @pytest.fixture(scope="module")
@@ -410,7 +411,7 @@ def test_compiled_loss_matches_eager_in_value_and_gradient(setup):
 def test_log_probs_in_chunks_equal_one_full_width_pass(setup, monkeypatch):
     """A small logit budget splits the LM head over many chunks of positions (recomputed in backward):
     log-probs, entropy and gradients are those of one pass over full [S, R, V] logits."""
-    import grpo.step
+    import grpo.logprobs
 
     _, _, model, _, batch = setup
     part = trim_padding(batch[:4])
@@ -431,7 +432,7 @@ def test_log_probs_in_chunks_equal_one_full_width_pass(setup, monkeypatch):
         lp, entropy = compute()
         ((lp * part["reply_mask"]).sum() + entropy.mean()).backward()
         results.append((lp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
-        monkeypatch.setattr(grpo.step, "LOGIT_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 positions a chunk
+        monkeypatch.setattr(grpo.logprobs, "LOGIT_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 positions a chunk
     (lp_full, ent_full, grads_full), (lp_chunked, ent_chunked, grads_chunked) = results
     assert part["input_ids"].shape[0] * width > 5 * 4  # many chunks, a partial one at the end
     torch.testing.assert_close(lp_chunked, lp_full, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,76 @@
+"""Log-probs of reply tokens under a model, in bounded memory: what training, the reference and the
+sampler/trainer checks all score replies with."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from torch.utils.checkpoint import checkpoint
+
+from grpo.batch import micro_batches
+
+
+@torch.no_grad()
+def score_replies(batch: TensorDict, model, s) -> torch.Tensor:
+    """``[S, R]`` log-probs ``model`` gives the replies, in micro-batches cut as training's (``s``: the
+    step's ``GRPOSettings``)."""
+    device = next(model.parameters()).device
+    out = torch.zeros(batch["reply_mask"].shape)
+    for rows, part in micro_batches(batch, s.micro_batch_size, s.micro_batch_tokens):
+        part = part.to(device)
+        lp, _ = token_log_probs(model, part["input_ids"], part["attention_mask"], part["reply_mask"].shape[1],
+                                with_entropy=False, entropy_grad=False)
+        out[rows, :lp.shape[1]] = lp.float().cpu()
+    return out * batch["reply_mask"]
+
+
+# Logits of at most this many bytes (float32) exist at once: a 152k vocabulary makes [S, R, V] logits
+# of 8 replies x 384 tokens 1.9 GB, and their log-softmax and backward several times that (the real
+# 0.5B step was killed at 24 GB on CPU with one micro-batch of 8).
+LOGIT_CHUNK_BYTES = 2**28
+
+
+def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width_r: int, *,
+                    with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[S, R]`` log pi(reply token | everything before it), and its entropy if asked.
+
+    Only the last ``R + 1`` positions go through the LM head: the prompt positions' logits are never
+    needed. The head runs over chunks of positions, each under activation checkpointing, so at most
+    ``LOGIT_CHUNK_BYTES`` of logits are alive at once, forward or backward; the values are those of
+    one full-width pass. ``entropy_grad=False`` keeps the full-vocabulary entropy out of the autograd
+    graph (then it is only logged).
+    """
+    # positions count real tokens only, as in generation from left-padded prompts
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask.long(),
+                                 position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = hidden[:, hidden.shape[1] - width_r - 1:-1]
+    head = model.get_output_embeddings()
+    targets = input_ids[:, input_ids.shape[1] - width_r:].to(hidden.device)
+    entropy_grad = entropy_grad and torch.is_grad_enabled()
+    positions = max(1, LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
+    flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
+    # one chunk, or no backward: nothing to save, so no recompute
+    recompute = flat_targets.shape[0] > positions and torch.is_grad_enabled()
+    chunks = []
+    for start in range(0, flat_targets.shape[0], positions):
+        args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], with_entropy,
+                entropy_grad)
+        chunks.append(checkpoint(_head_log_probs, *args, use_reentrant=False) if recompute else _head_log_probs(*args))
+    # a model split over GPUs returns hidden states on its last one; the batch lives on the first
+    token_lp = torch.cat([lp for lp, _ in chunks]).view_as(targets).to(input_ids.device)
+    if not with_entropy:
+        return token_lp, None
+    return token_lp, torch.cat([ent for _, ent in chunks]).view_as(targets).to(input_ids.device)
+
+
+def _head_log_probs(head, hidden, targets, with_entropy: bool, entropy_grad: bool):
+    """Log-probs of ``targets`` (and the entropy) from one chunk of hidden states."""
+    logits = head(hidden).float()
+    lse = logits.logsumexp(-1)
+    token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
+    if not with_entropy:
+        return token_lp, None
+    with torch.set_grad_enabled(entropy_grad):
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1)
+    return token_lp, entropy

@@ -1,0 +1,82 @@
+"""What a run leaves behind in its run dir: metrics and samples (through ``RunLogger``), checkpoints,
+the export, and the summary it ends with."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from grpo import checkpoint as ckpt
+from grpo.export import export_model
+from grpo.logger import RunLogger, read_metrics
+
+
+class RunRecords:
+    """``last_checkpoint``: (step, path) of the newest checkpoint this run can continue from."""
+
+    def __init__(self, cfg, run_dir: Path, resolved_config: dict, logger: RunLogger,
+                 last_checkpoint: tuple[int, Path] | None):
+        self.run_dir, self.resolved_config, self.logger = run_dir, resolved_config, logger
+        self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
+        self.last_checkpoint = last_checkpoint
+        self.export_dir: Path | None = None  # written when the run finishes
+        self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
+
+    def log_step(self, step: int, metrics: dict, t0: float) -> None:
+        metrics["step_time_s"] = time.perf_counter() - t0
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            # this step's peak over the GPUs this process uses (generation usually sets it)
+            metrics["gpu_peak_memory_gb"] = max(torch.cuda.max_memory_allocated(i)
+                                                for i in range(torch.cuda.device_count())) / 2**30
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+        self.logger.log({"step": step, **metrics})
+        self.postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}
+
+    def save_checkpoint(self, step: int, trainer, counters: dict, extras: dict, rng: dict | None = None) -> None:
+        """``rng``: RNG states to store instead of the current ones."""
+        path = ckpt.save_checkpoint(
+            str(self.checkpoint_dir), step, model=trainer.policy_model, optimizer=trainer.optimizer,
+            scheduler=trainer.scheduler, counters=counters, resolved_config=self.resolved_config,
+            extra={"wandb_run_id": self.logger.wandb_run_id, **extras}, keep_last=self.keep_last, rng=rng)
+        self.last_checkpoint = (step, path)
+        tqdm.write(f"step {step}: checkpoint {path}")
+
+    def last_checkpoint_note(self) -> str:
+        """Where the run can be continued from, for a line saying how it ended."""
+        path = self.last_checkpoint[1] if self.last_checkpoint else None
+        return f"the last checkpoint is {path} (resume={self.run_dir})" if path else "this run has no checkpoint"
+
+    def export(self, step: int, policy_model, tokenizer) -> None:
+        """``<run dir>/export``: the policy as a Hugging Face folder (a resumed run's replaces the earlier one)."""
+        export_dir = self.run_dir / "export"
+        shutil.rmtree(export_dir, ignore_errors=True)
+        self.export_dir = export_model(policy_model, tokenizer, export_dir)
+        tqdm.write(f"step {step}: exported the policy to {export_dir}")
+
+    def summary(self, ended: str) -> str:
+        """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""
+        run_dir = self.run_dir
+        evals = [(row["step"], row["eval/accuracy"]) for row in read_metrics(run_dir / "metrics.jsonl")
+                 if "eval/accuracy" in row]
+        if evals:
+            marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
+            accuracy = " -> ".join(f"{mark} {acc:.3f} (step {step})" for mark, (step, acc) in marks.items())
+        else:
+            accuracy = "no eval ran"
+        plot = run_dir / "metrics.png"
+        path = self.last_checkpoint[1] if self.last_checkpoint else None  # eval only: the one evaluated, if any
+        checkpoint = f"{path} (resume={path.parent.parent} continues from it)" if path else "none"
+        export = (f"{self.export_dir} (transformers' from_pretrained and vllm serve load it)" if self.export_dir
+                  else f"none (python -m grpo.export {path} <out> writes one)" if path else "none")
+        return "\n".join([
+            f"run {ended}: {run_dir}",
+            f"  eval accuracy  {accuracy}",
+            f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
+            f"  checkpoint     {checkpoint}",
+            f"  export         {export}",
+        ])

@@ -1,0 +1,76 @@
+"""The trained policy, its optimiser and the GRPO step that updates them, with the counters a checkpoint
+keeps and the one fact the crash policy needs: whether an update is half done."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from grpo import checkpoint as ckpt
+from grpo.step import GRPOSettings, GRPOStep
+
+
+class Trainer:
+    """``update(rollouts, step)``: one GRPO step (grpo.step) on a batch of whole groups.
+
+    ``policy_version`` counts optimiser steps: the version of the weights an engine generates with.
+    ``completed_step`` / ``completed_rng``: the last GRPO step whose update finished, and the RNG states
+    right after it: what an emergency checkpoint may keep. ``half_updated``: an optimiser step ran in
+    a GRPO step that has not finished, so the weights are neither the old nor the new ones.
+    """
+
+    def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, stop_token_ids: list[int]):
+        self.policy_model = policy_model
+        self.optimizer = make_optimizer(cfg, policy_model)
+        self.scheduler = make_scheduler(cfg, self.optimizer, cfg.train.total_steps * cfg.train.epochs
+                                        * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size)
+        self.grpo_step = GRPOStep(GRPOSettings.from_config(cfg), policy=policy_model, optimizer=self.optimizer,
+                                  scheduler=self.scheduler, ref_model=ref_model, pad_token_id=pad_token_id,
+                                  stop_token_ids=stop_token_ids)
+        self.policy_version = 0
+        self.completed_step, self.completed_rng, self.half_updated = 0, None, False
+
+    def restore(self, payload: dict) -> None:
+        """Weights, optimiser, schedule and counters of a checkpoint, and its RNG states (last of all)."""
+        ckpt.restore_training_state(payload, model=self.policy_model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler)
+        self.policy_version = payload["counters"]["policy_version"]
+        self.completed_step = payload["counters"]["step"]
+
+    def watch_updates(self) -> None:
+        """From now on an optimiser step marks the weights half updated until ``update`` returns."""
+        self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
+
+    def update(self, rollouts, step: int) -> dict:
+        metrics = self.grpo_step(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
+        self.policy_version += metrics["optim_steps"]
+        self.completed_step, self.completed_rng, self.half_updated = step, ckpt.rng_state(), False
+        return metrics | {"policy_version": self.policy_version}
+
+    def weights_finite(self) -> bool:
+        return all(p.isfinite().all() for group in self.optimizer.param_groups for p in group["params"])
+
+    def trainable_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.policy_model.parameters() if p.requires_grad)
+
+
+def make_optimizer(cfg, model) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
+                             weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps)
+
+
+def make_scheduler(cfg, optimizer, total_optim_steps: int):
+    """Linear warm-up then constant or cosine decay to ``optimizer.min_lr_ratio`` of the peak."""
+    o = cfg.optimizer
+
+    def factor(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, total_optim_steps - o.warmup_steps))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
