@@ -62,6 +62,7 @@ def to_training_batch(data: TensorDictBase, pad_token_id: int, stop_token_ids: l
         "prompt_length": prompt_len,
         "reply_length": reply_len,
         "reply_stopped": torch.tensor([bool(torch.isin(r[-1:], stop_ids).any()) for r in replies]),
+        "group_id": group_ids(data),
     }, batch_size=[n])
 
 
@@ -81,14 +82,13 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     return out
 
 
-def prompt_group_ids(batch: TensorDict) -> torch.Tensor:
-    """One id per distinct prompt (its token sequence), so identical prompts share a baseline."""
+def group_ids(rollouts) -> torch.Tensor:
+    """Which group each reply is in: the replies to one prompt (its token sequence) form a group, numbered
+    in order of first appearance. The one definition of a group: the dense batch's ``group_id`` (the
+    advantages' baselines), dynamic sampling and the samples shown all take it from here."""
     ids: dict[tuple, int] = {}
-    rows = []
-    width_p = batch["input_ids"].shape[1] - batch["reply_mask"].shape[1]
-    for tokens, length in zip(batch["input_ids"], batch["prompt_length"]):
-        rows.append(ids.setdefault(tuple(tokens[width_p - int(length):width_p].tolist()), len(ids)))
-    return torch.tensor(rows)
+    return torch.tensor([ids.setdefault(tuple(s["tokens", "prompt"].tolist()), len(ids)) for s in rollouts.unbind(0)],
+                        dtype=torch.long)
 
 
 def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None):

@@ -18,14 +18,14 @@ from collections.abc import Callable
 
 from tensordict import lazy_stack
 
-from grpo.batch import final_rewards
+from grpo.batch import final_rewards, group_ids
 
 
 def reply_groups(rollouts) -> list[list[int]]:
-    """The replies to each distinct prompt (its token sequence), in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for i, sample in enumerate(rollouts.unbind(0)):
-        groups.setdefault(tuple(sample["tokens", "prompt"].tolist()), []).append(i)
+    """The replies of each group (``batch.group_ids``), in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, group in enumerate(group_ids(rollouts).tolist()):
+        groups.setdefault(group, []).append(i)
     return list(groups.values())
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo.batch import final_rewards, through_first_stop
+from grpo.batch import final_rewards, group_ids, through_first_stop
 
 # metrics.png: one panel per entry, its metrics as lines (eval rows as markers). Held-out accuracy sits beside
 # its strict and flexible forms, and reply length and truncation beside their eval values, so a recipe
@@ -88,11 +88,10 @@ def reply_samples(rollouts, count: int, tokenizer, stop_ids: list[int]) -> list[
     rows = rollouts.get("row_index").flatten().tolist()
     rewards = final_rewards(rollouts).tolist()
     history = rollouts.get(("history", "prompt"))
-    groups: dict[int, int] = {}  # data row -> its place among the batch's prompts
     stops = torch.tensor(stop_ids)
     samples = []
-    for i, (row, roles, texts) in enumerate(zip(rows, history.role, history.content)):
-        group = groups.setdefault(row, len(groups))
+    for i, (group, row, roles, texts) in enumerate(zip(group_ids(rollouts).tolist(), rows, history.role,
+                                                      history.content)):
         if group < count:
             prompt = next(text for role, text in zip(reversed(roles), reversed(texts)) if role == "user")
             reply = rollouts[i]["tokens", "response"]

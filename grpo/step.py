@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from grpo.batch import micro_batches, prompt_group_ids, rollout_metrics, to_training_batch
+from grpo.batch import micro_batches, rollout_metrics, to_training_batch
 from grpo.errors import NonFiniteError
 from grpo.logprobs import score_replies, token_log_probs
 
@@ -123,7 +123,7 @@ class GRPOStep:
             batch["trainer_log_probs"] = score_replies(batch, self.policy, self.s)
             gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
             metrics["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
-        batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch),
+        batch["advantage"] = group_advantages(batch["reward"], batch["group_id"],
                                               scale_by_std=self.s.loss_variant != "dr_grpo")
         metrics |= {"advantage_std": batch["advantage"].std().item(), "advantage_mean": batch["advantage"].mean().item()}
         if self.s.overlong_filter:  # after the advantages: a cut reply still counts in its group's baseline

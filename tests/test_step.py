@@ -12,7 +12,7 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 
 from conftest import compose, reply_log_probs
-from grpo.batch import micro_batches, prompt_group_ids, to_training_batch, trim_padding
+from grpo.batch import micro_batches, to_training_batch, trim_padding
 from grpo.envs import make_env
 from grpo.generation import generate_kwargs
 from grpo.decoding import ReplySampler
@@ -41,7 +41,7 @@ def setup(tiny_model_dir, tiny_data_dir):
                                                                  stop_ids=stop_ids))
     rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
     batch = to_training_batch(rollouts, tok.pad_token_id, stop_ids)
-    batch["advantage"] = group_advantages(batch["reward"], prompt_group_ids(batch))
+    batch["advantage"] = group_advantages(batch["reward"], batch["group_id"])
     assert len(set(batch["reply_length"].tolist())) > 1, "the test needs replies of different lengths"
     return cfg, tok, model, rollouts, batch
 
@@ -96,8 +96,8 @@ def test_group_advantage_equals_torchrl_mcadvantage(setup):
     oracle = MCAdvantage(grpo_size=4)._inv_call(rollouts)
     expected = {(s["query"], float(s["next", "reward"].flatten()[0])): float(s["advantage"].flatten()[0])
                 for s in oracle.unbind(0)}
-    ours = group_advantages(rewards, prompt_group_ids(batch))
-    assert len(set(prompt_group_ids(batch).tolist())) == 2
+    ours = group_advantages(rewards, batch["group_id"])
+    assert len(set(batch["group_id"].tolist())) == 2
     for sample, r, a in zip(rollouts.unbind(0), rewards.tolist(), ours.tolist()):
         assert a == pytest.approx(expected[(sample["query"], r)], abs=1e-5)
 
