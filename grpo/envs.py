@@ -23,7 +23,8 @@ from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 
 from grpo.data import StreamLoader, data_primer, load_split
 from grpo.errors import DataError
-from grpo.ifeval import load_ifeval_rows, make_ifeval_env
+from grpo.ifeval import load_ifeval_rows
+from grpo.ifeval_env import make_ifeval_env
 from grpo.models import wrapper_chat_template
 from grpo.rewards import GSM8KReward, parse_number, reference_answer, special_token_pattern
 from grpo.user_rewards import UserRewards, load_reward_functions, offered_arguments

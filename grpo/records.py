@@ -16,11 +16,12 @@ from grpo.logger import RunLogger, read_metrics
 
 
 class RunRecords:
-    """``last_checkpoint``: (step, path) of the newest checkpoint this run can continue from."""
+    """``last_checkpoint``: (step, path) of the newest checkpoint this run can continue from; ``gpu_ids``: the
+    GPUs this process computes on, whose peak memory each step reports."""
 
     def __init__(self, cfg, run_dir: Path, resolved_config: dict, logger: RunLogger,
-                 last_checkpoint: tuple[int, Path] | None):
-        self.run_dir, self.resolved_config, self.logger = run_dir, resolved_config, logger
+                 last_checkpoint: tuple[int, Path] | None, gpu_ids: list[int]):
+        self.run_dir, self.resolved_config, self.logger, self.gpu_ids = run_dir, resolved_config, logger, gpu_ids
         self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
         self.last_checkpoint = last_checkpoint
         self.export_dir: Path | None = None  # written when the run finishes
@@ -28,11 +29,10 @@ class RunRecords:
 
     def log_step(self, step: int, metrics: dict, t0: float) -> None:
         metrics["step_time_s"] = time.perf_counter() - t0
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self.gpu_ids and torch.cuda.is_initialized():
             # this step's peak over the GPUs this process uses (generation usually sets it)
-            metrics["gpu_peak_memory_gb"] = max(torch.cuda.max_memory_allocated(i)
-                                                for i in range(torch.cuda.device_count())) / 2**30
-            for i in range(torch.cuda.device_count()):
+            metrics["gpu_peak_memory_gb"] = max(torch.cuda.max_memory_allocated(i) for i in self.gpu_ids) / 2**30
+            for i in self.gpu_ids:
                 torch.cuda.reset_peak_memory_stats(i)
         self.logger.log({"step": step, **metrics})
         self.postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}

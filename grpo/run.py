@@ -101,7 +101,8 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool) -> Run:
     if cfg.resume:
         ckpt_path, payload = ckpt.find_checkpoint(
             str(cfg.resume), experiment_name=cfg.logging.experiment_name,
-            overrides=list(HydraConfig.get().overrides.task), search_roots=[REPO_ROOT / "outputs", REPO_ROOT / "multirun"])
+            overrides=list(HydraConfig.get().overrides.task),
+            search_roots=[REPO_ROOT / "outputs", REPO_ROOT / "multirun"])
         ckpt.check_resumable(ckpt_path, payload, cfg)
         last_checkpoint = (payload["step"], ckpt_path)
         if not eval_only:  # continue in the original run dir: its metrics, checkpoints and wandb run
@@ -163,8 +164,11 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
         trainer.restore(payload)  # RNG states last of all
         engine.push_weights(policy_model, trainer.policy_version)
     trainer.watch_updates()
+    # this process's GPUs; with dedicated inference its own engine (eval only) sits on the training GPU
+    gpu_ids = sorted({*devices.train, *devices.ref, *([] if dedicated_inference else devices.inference)})
+    records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids)
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
-               evaluator=evaluator, records=RunRecords(cfg, run_dir, config_record, logger, last_checkpoint),
+               evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
 
 
@@ -178,9 +182,9 @@ def train_loop(run: Run, source) -> Run:
             for step in steps(run):
                 t0 = time.perf_counter()
                 # one collection; with dynamic sampling, more until every group trained has distinct rewards
-                rollouts, filtering = draw_step_batch(lambda: source.next_rollouts(run.trainer.policy_version),
-                                                      cfg.train.dialog_turns_per_batch, dynamic=cfg.train.dynamic_sampling,
-                                                      max_extra_batches=cfg.train.max_extra_generation_batches)
+                rollouts, filtering = draw_step_batch(
+                    lambda: source.next_rollouts(run.trainer.policy_version), cfg.train.dialog_turns_per_batch,
+                    dynamic=cfg.train.dynamic_sampling, max_extra_batches=cfg.train.max_extra_generation_batches)
                 metrics = run.train_on(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
                 source.commit()                   # its prompt batches now count as trained
                 metrics |= source.after_update(run.trainer.policy_model, run.trainer.policy_version)

@@ -1,4 +1,4 @@
-"""Tests for grpo/ifeval.py: strict/loose evaluation, the reward, loading rows through
+"""Tests for grpo/ifeval.py and grpo/ifeval_env.py: strict/loose evaluation, the reward, loading rows through
 grpo.data.load_split, and the TorchRL env and transform. No network, no nltk data."""
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from grpo.errors import ConfigError, DataError, clear_errors
 from grpo.ifeval import (
     DEFAULT_REWARD_WEIGHTS,
     IFEvalResult,
-    IFEvalReward,
     evaluate_response,
     extract_answer,
     ifeval_reward,
     load_ifeval_rows,
     loose_variants,
-    make_ifeval_env,
 )
+from grpo.ifeval_env import IFEvalReward, make_ifeval_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "ifeval_tiny"

@@ -132,10 +132,15 @@ def readme_command() -> list[str]:
     return shlex.split(block.replace("\\\n", " "))
 
 
-def test_readme_shows_the_example_files_as_they_are():
+def test_readme_links_the_example_files_and_its_command_names_their_functions():
+    """The README links the example rather than copying it: the links resolve, and every reward function
+    its command names is defined in the file it points to."""
     readme = (REPO / "README.md").read_text()
     for name in ("reward.py", "train.jsonl"):
-        assert (EXAMPLE / name).read_text() in readme, name
+        assert f"](examples/my_task/{name})" in readme and (EXAMPLE / name).is_file(), name
+    functions = re.findall(r"examples/my_task/reward.py:(\w+)", " ".join(readme_command()))
+    assert functions == ["correct", "tagged"]
+    assert all(f"def {name}(" in (EXAMPLE / "reward.py").read_text() for name in functions)
     assert len((EXAMPLE / "reward.py").read_text().splitlines()) < 30
     assert len((EXAMPLE / "train.jsonl").read_text().splitlines()) == 5
 
