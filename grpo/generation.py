@@ -2,9 +2,41 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine is built from, read from the config in one place (``from_config``): engines,
+    rollout workers and their tests take these, never the config itself."""
+    model_name: str               # the files an engine loads (its weights are then pushed)
+    backend: str                  # transformers or vllm
+    dtype: str                    # on a GPU; the CPU always float32
+    max_new_tokens: int           # rollouts' reply cap
+    eval_max_new_tokens: int      # greedy eval's reply cap
+    temperature: float
+    top_p: float
+    top_k: int                    # 0 = off
+    compile: bool                 # transformers: the decode step as a CUDA graph
+    cache_bucket: int             # transformers: KV-cache length rounded up to this
+    max_model_len: int            # vLLM: prompt + reply
+    gpu_memory_utilization: float  # vLLM
+    enforce_eager: bool           # vLLM: no CUDA graphs
+    cpu_kvcache_space_gb: float   # vLLM's CPU build
+    vllm_log_level: str
+    seed: int
+
+    @classmethod
+    def from_config(cls, cfg) -> EngineSettings:
+        im = cfg.inference_model
+        return cls(model_name=cfg.model.name, backend=im.backend, dtype=im.dtype, max_new_tokens=im.max_new_tokens,
+                   eval_max_new_tokens=cfg.eval.max_new_tokens, temperature=im.temperature, top_p=im.top_p,
+                   top_k=im.top_k, compile=im.compile, cache_bucket=im.cache_bucket, max_model_len=im.max_model_len,
+                   gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=im.enforce_eager,
+                   cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, vllm_log_level=im.vllm_log_level, seed=cfg.seed)
 
 
 @runtime_checkable
@@ -31,7 +63,8 @@ class InferenceEngine(Protocol):
         """Free the engine."""
 
 
-def generate_kwargs(cfg, tokenizer, *, greedy: bool, max_new_tokens: int, stop_ids: list[int]) -> dict:
+def generate_kwargs(settings: EngineSettings, tokenizer, *, greedy: bool, max_new_tokens: int,
+                    stop_ids: list[int]) -> dict:
     """``generate`` options for rollouts (sampled) or eval (greedy), with every sampling knob explicit.
 
     ``pad_token_id`` is the tokenizer's: a model's ``generation_config`` may pad with another id
@@ -42,8 +75,8 @@ def generate_kwargs(cfg, tokenizer, *, greedy: bool, max_new_tokens: int, stop_i
     common = {"max_new_tokens": max_new_tokens, "eos_token_id": stop_ids, "pad_token_id": tokenizer.pad_token_id}
     if greedy:
         return {**common, "do_sample": False}
-    im = cfg.inference_model
-    return {**common, "do_sample": True, "temperature": im.temperature, "top_p": im.top_p, "top_k": im.top_k}
+    s = settings
+    return {**common, "do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
 
 def inference_state_dict(policy_model) -> dict[str, torch.Tensor]:

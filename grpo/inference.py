@@ -9,18 +9,19 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from grpo.decoding import ReplySampler
-from grpo.generation import InferenceEngine, generate_kwargs, inference_state_dict, weights_checksum
+from grpo.generation import EngineSettings, InferenceEngine, generate_kwargs, inference_state_dict, weights_checksum
 from grpo.models import load_causal_lm, torch_dtype
 
 
-def make_inference(cfg, policy_model, tokenizer, device: torch.device, stop_ids: list[int]) -> InferenceEngine:
-    """The generation engine ``inference_model.backend`` names. It starts with ``policy_model``'s weights,
-    or with ``None`` (a rollout worker, sent its weights later) with those of the ``model.name`` files."""
-    if cfg.inference_model.backend == "transformers":
-        return TransformersInference(cfg, policy_model, tokenizer, device, stop_ids)
+def make_inference(settings: EngineSettings, policy_model, tokenizer, device: torch.device,
+                   stop_ids: list[int]) -> InferenceEngine:
+    """The generation engine ``settings.backend`` names. It starts with ``policy_model``'s weights, or with
+    ``None`` (a rollout worker, sent its weights later) with those of the ``settings.model_name`` files."""
+    if settings.backend == "transformers":
+        return TransformersInference(settings, policy_model, tokenizer, device, stop_ids)
     from grpo.vllm_backend import VLLMInference
 
-    return VLLMInference(cfg, policy_model, tokenizer, device, stop_ids)
+    return VLLMInference(settings, policy_model, tokenizer, device, stop_ids)
 
 
 class TransformersInference:
@@ -33,20 +34,20 @@ class TransformersInference:
     GPU, where float32 master weights train and a bfloat16 copy generates.
     """
 
-    def __init__(self, cfg, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
-        dtype = torch_dtype(cfg.inference_model.dtype, device)
+    def __init__(self, settings: EngineSettings, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
+        s = settings
+        dtype = torch_dtype(s.dtype, device)
         param = None if policy_model is None else next(policy_model.parameters())
         if param is not None and device == param.device and dtype == param.dtype:
             self.model = policy_model
         else:
-            self.model = load_causal_lm(cfg.model.name, tokenizer, dtype=dtype, device=device)
+            self.model = load_causal_lm(s.model_name, tokenizer, dtype=dtype, device=device)
             self.model.eval().requires_grad_(False)
-        sampler = ReplySampler(self.model, compile=cfg.inference_model.compile,
-                               cache_bucket=cfg.inference_model.cache_bucket)
+        sampler = ReplySampler(self.model, compile=s.compile, cache_bucket=s.cache_bucket)
         self.policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
-            cfg, tokenizer, greedy=False, max_new_tokens=cfg.inference_model.max_new_tokens, stop_ids=stop_ids))
+            s, tokenizer, greedy=False, max_new_tokens=s.max_new_tokens, stop_ids=stop_ids))
         self.greedy_policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
-            cfg, tokenizer, greedy=True, max_new_tokens=cfg.eval.max_new_tokens, stop_ids=stop_ids))
+            s, tokenizer, greedy=True, max_new_tokens=s.eval_max_new_tokens, stop_ids=stop_ids))
         self.version = None
         if policy_model is not None:
             self.push_weights(policy_model, version=0)

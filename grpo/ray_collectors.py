@@ -28,7 +28,7 @@ from tensordict import lazy_stack
 
 from grpo.data import PromptLedger, serve_from
 from grpo.errors import UserError
-from grpo.generation import inference_state_dict, tensor_place, weights_checksum
+from grpo.generation import EngineSettings, inference_state_dict, tensor_place, weights_checksum
 from grpo.models import torch_dtype
 from grpo.setup import ray_pythonpath
 from grpo.user_rewards import take_reward_seconds
@@ -55,7 +55,8 @@ class RolloutWorker:
         tokenizer = load_tokenizer(cfg.model.name)
         # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
         # pending below, replace its weights before the first batch
-        self.inference = make_inference(cfg, None, tokenizer, device=torch_device, stop_ids=stop_ids)
+        self.inference = make_inference(EngineSettings.from_config(cfg), None, tokenizer, device=torch_device,
+                                        stop_ids=stop_ids)
         self.env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
                             num_envs=cfg.env.num_envs)
         self.collector = make_collector(self.env, self.inference.policy, cfg.env.num_envs)
@@ -162,7 +163,8 @@ class RolloutPool:
         self.taken = []
 
     def after_update(self, policy_model, version: int) -> dict:
-        """A push every ``train.weight_update_frequency`` optimiser steps (grpo.local_rollouts says what a source does)."""
+        """A push every ``train.weight_update_frequency`` optimiser steps (``grpo.local_rollouts``: what a
+        rollout source does)."""
         if version - self.pushed_version < self.cfg.train.weight_update_frequency:
             return {}
         self.pushed_version = version

@@ -25,6 +25,7 @@ from grpo.dynamic_sampling import draw_step_batch
 from grpo.envs import EVAL_FIELDS, check_prompt_lengths, check_prompt_text, load_splits, make_env
 from grpo.errors import ConfigError, UserError
 from grpo.evaluation import Evaluator
+from grpo.generation import EngineSettings
 from grpo.inference import make_inference
 from grpo.logger import RunLogger, profile_to, reply_samples
 from grpo.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
@@ -144,7 +145,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     ref_model = load_reference_model(cfg, tokenizer, devices.torch_device("ref"),
                                      shard_over=devices.ref) if cfg.train.use_kl_to_ref else None
     stop_ids = stop_token_ids(tokenizer, policy_model.generation_config)
-    engine = make_inference(cfg, policy_model, tokenizer, stop_ids=stop_ids,
+    engine = make_inference(EngineSettings.from_config(cfg), policy_model, tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,

@@ -18,7 +18,7 @@ import torch
 from torchrl.modules.llm import vLLMWrapper
 
 from grpo.errors import ConfigError
-from grpo.generation import generate_kwargs, inference_state_dict, weights_checksum
+from grpo.generation import EngineSettings, generate_kwargs, inference_state_dict, weights_checksum
 from grpo.models import torch_dtype
 
 #: Smallest attention head size vLLM's CPU attention backend accepts.
@@ -249,7 +249,7 @@ def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, inp
 
 class VLLMInference:
     """Rollout and eval generation on an in-process vLLM engine, for ``inference_model.backend=vllm``:
-    an ``InferenceEngine``. The engine loads ``cfg.model.name`` and then receives ``policy_model``'s
+    an ``InferenceEngine``. The engine loads ``settings.model_name`` and then receives ``policy_model``'s
     weights (so a resumed or LoRA-wrapped policy is served as it is now); with ``policy_model=None``
     it keeps the files' weights until the first push, and no transformers model is built.
 
@@ -258,8 +258,8 @@ class VLLMInference:
     to put it elsewhere) and tensor parallelism is not supported here.
     """
 
-    def __init__(self, cfg, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
-        im = cfg.inference_model
+    def __init__(self, settings: EngineSettings, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
+        im = settings
         device = torch.device(device)
         if device.type == "cuda" and (device.index or 0) != 0:
             raise ConfigError(
@@ -269,15 +269,15 @@ class VLLMInference:
         self.dtype = torch_dtype(im.dtype, device)
         is_cpu = device.type == "cpu"
         self.llm = make_vllm_engine(
-            cfg.model.name, dtype=str(self.dtype).removeprefix("torch."), max_model_len=im.max_model_len,
-            gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=is_cpu or im.enforce_eager, seed=cfg.seed,
+            im.model_name, dtype=str(self.dtype).removeprefix("torch."), max_model_len=im.max_model_len,
+            gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=is_cpu or im.enforce_eager, seed=im.seed,
             cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level)
 
         def vllm_policy(greedy: bool, max_new_tokens: int):
             # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing, and stops
             # on the same ids once they are its stop_token_ids, which TorchRL's wrapper does not
             # forward, so they are set on its SamplingParams
-            kwargs = generate_kwargs(cfg, tokenizer, greedy=greedy, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+            kwargs = generate_kwargs(im, tokenizer, greedy=greedy, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
             kwargs.pop("eos_token_id"), kwargs.pop("pad_token_id")
             if kwargs.get("top_k") == 0:  # TorchRL refuses 0; vLLM's own default is off
                 kwargs.pop("top_k")
@@ -286,7 +286,7 @@ class VLLMInference:
             return policy
 
         self.policy = vllm_policy(False, im.max_new_tokens)
-        self.greedy_policy = vllm_policy(True, cfg.eval.max_new_tokens)
+        self.greedy_policy = vllm_policy(True, im.eval_max_new_tokens)
         self.version = None
         if policy_model is not None:
             self.push_weights(policy_model, version=0)

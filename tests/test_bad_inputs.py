@@ -21,6 +21,7 @@ from grpo.envs import TASK_ENVS, check_prompt_lengths, load_splits, make_env
 from grpo.errors import ConfigError, DataError, ExportError, ModelLoadError, ResumeError, UserError, clear_errors
 from grpo.export import export_checkpoint
 from grpo.decoding import ReplySampler
+from grpo.generation import EngineSettings
 from grpo.inference import make_inference, make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer
 from grpo.run import start_run
@@ -123,7 +124,8 @@ def vllm_not_installed(ctx):
         ctx.monkeypatch.setenv(key, os.environ.get(key, ""))  # restored after: the engine sets them before importing
     cfg = compose("grpo_tiny", [f"model.name={TINY_MODEL}", "inference_model.backend=vllm"])
     tokenizer = load_tokenizer(cfg.model.name)
-    make_inference(cfg, None, tokenizer, torch.device("cpu"), stop_ids=[tokenizer.eos_token_id])
+    make_inference(EngineSettings.from_config(cfg), None, tokenizer, torch.device("cpu"),
+                   stop_ids=[tokenizer.eos_token_id])
 
 
 LONG = GOOD[:1] + [{"question": "What is 1 + 1? " * 6700, "answer": "#### 2"}] + GOOD[1:]  # 100,500 characters

@@ -7,7 +7,7 @@ import torch
 from conftest import compose, perturbed, reply_log_probs
 from grpo.batch import to_training_batch
 from grpo.envs import make_collector, make_env
-from grpo.generation import InferenceEngine, generate_kwargs, weights_checksum
+from grpo.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
 from grpo.decoding import ReplySampler
 from grpo.inference import TransformersInference, make_transformers_policy
 from grpo.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
@@ -36,8 +36,8 @@ def sampled_rollouts(cfg, tok, model, *, seed=0, **overrides):
     stop_ids = stop_token_ids(tok, model.generation_config)
     for key, value in overrides.items():
         cfg.inference_model[key] = value
-    rollouts, policy = collect(cfg, tok, model, generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24,
-                                                                stop_ids=stop_ids), seed=seed)
+    options = generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=24, stop_ids=stop_ids)
+    rollouts, policy = collect(cfg, tok, model, options, seed=seed)
     return rollouts, policy, stop_ids
 
 
@@ -112,7 +112,8 @@ def test_generation_with_gradient_checkpointing_on_matches_generation_without(ti
         resolve_local_paths(cfg)
         tok = load_tokenizer(cfg.model.name)
         model = load_policy_model(cfg, tok, torch.device("cpu"))
-        inference = TransformersInference(cfg, model, tok, torch.device("cpu"), stop_token_ids(tok, model.generation_config))
+        inference = TransformersInference(EngineSettings.from_config(cfg), model, tok, torch.device("cpu"),
+                                          stop_token_ids(tok, model.generation_config))
         assert inference.model is model
         with train_mode_if(model, checkpointing):  # what optimisation does between two collections
             assert model.training is checkpointing
@@ -137,7 +138,8 @@ def test_the_checksum_counts_tied_weights_once_and_ignores_fusing_and_zero_paddi
 def test_transformers_engine_checksum_reads_its_weights_and_follows_a_push(tiny):
     """A rollout worker's engine: built from the model files (no trainer model), then pushed to."""
     cfg, tok, model = tiny
-    inference = TransformersInference(cfg, None, tok, torch.device("cpu"), stop_token_ids(tok, model.generation_config))
+    inference = TransformersInference(EngineSettings.from_config(cfg), None, tok, torch.device("cpu"),
+                                      stop_token_ids(tok, model.generation_config))
     assert isinstance(inference, InferenceEngine) and inference.version is None and inference.model is not model
     assert inference.weights_checksum() == weights_checksum(model.state_dict())
     new = perturbed(model.state_dict(), seed=1)

@@ -10,7 +10,7 @@ import torch
 from conftest import compose
 from grpo.decoding import ReplySampler
 from grpo.envs import load_gsm8k, make_collector, make_env
-from grpo.generation import generate_kwargs
+from grpo.generation import EngineSettings, generate_kwargs
 from grpo.inference import make_transformers_policy
 from grpo.logger import RunLogger, profile_to, read_metrics, reply_samples
 from grpo.models import load_causal_lm, load_tokenizer, stop_token_ids
@@ -42,7 +42,7 @@ def rollouts(tiny_model_dir, tiny_data_dir):
     model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
     stop_ids = stop_token_ids(tok, model.generation_config)
     policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok, gen_kwargs=generate_kwargs(
-        cfg, tok, greedy=False, max_new_tokens=24, stop_ids=stop_ids))
+        EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=24, stop_ids=stop_ids))
     torch.manual_seed(0)
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
     return next(iter(make_collector(env, policy, 8))).reshape(-1), tok, stop_ids, load_gsm8k(str(tiny_data_dir), "train")

@@ -13,6 +13,7 @@ import torch
 
 from conftest import TINY_DATA, compose
 from grpo.envs import make_collector, make_env
+from grpo.generation import EngineSettings
 from grpo.inference import TransformersInference
 from grpo.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.trainer import make_optimizer, make_scheduler
@@ -40,7 +41,7 @@ def real_step(request):
     policy = load_policy_model(cfg, tok, cpu)
     ref = load_reference_model(cfg, tok, cpu)
     stop_ids = stop_token_ids(tok, policy.generation_config)
-    inference = TransformersInference(cfg, policy, tok, cpu, stop_ids)
+    inference = TransformersInference(EngineSettings.from_config(cfg), policy, tok, cpu, stop_ids)
     env = make_env(cfg, tok, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
     rollouts = next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))).reshape(-1)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}

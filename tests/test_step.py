@@ -14,7 +14,7 @@ from torchrl.objectives.llm import GRPOLoss, MCAdvantage
 from conftest import compose, reply_log_probs
 from grpo.batch import micro_batches, to_training_batch, trim_padding
 from grpo.envs import make_env
-from grpo.generation import generate_kwargs
+from grpo.generation import EngineSettings, generate_kwargs
 from grpo.decoding import ReplySampler
 from grpo.inference import make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
@@ -36,8 +36,9 @@ def setup(tiny_model_dir, tiny_data_dir):
     model = load_policy_model(cfg, tok, torch.device("cpu"))
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
     stop_ids = stop_token_ids(tok, model.generation_config)
+    settings = EngineSettings.from_config(cfg)
     policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok,
-                                      gen_kwargs=generate_kwargs(cfg, tok, greedy=False, max_new_tokens=24,
+                                      gen_kwargs=generate_kwargs(settings, tok, greedy=False, max_new_tokens=24,
                                                                  stop_ids=stop_ids))
     rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
     batch = to_training_batch(rollouts, tok.pad_token_id, stop_ids)

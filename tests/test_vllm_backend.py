@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from grpo.errors import ConfigError
-from grpo.generation import InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
+from grpo.generation import EngineSettings, InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
 from grpo.vllm_backend import (
     check_vllm_available,
     check_vllm_model_shape,
@@ -298,7 +298,8 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
     from grpo.models import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer, hf_model.generation_config)
-    inf = make_inference(cfg, hf_model, tokenizer, device=torch.device("cpu"), stop_ids=stop_ids)
+    inf = make_inference(EngineSettings.from_config(cfg), hf_model, tokenizer, device=torch.device("cpu"),
+                         stop_ids=stop_ids)
     try:
         assert type(inf).__name__ == "VLLMInference" and inf.version == 0
         # the engine stops on the ids the trainer cuts replies at, and samples with top_k off
@@ -327,7 +328,7 @@ def test_vllm_engine_checksum_is_read_back_from_the_engine_and_follows_a_push(mo
     from grpo.models import stop_token_ids
 
     cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm"])
-    inf = make_inference(cfg, None, tokenizer, device=torch.device("cpu"),
+    inf = make_inference(EngineSettings.from_config(cfg), None, tokenizer, device=torch.device("cpu"),
                          stop_ids=stop_token_ids(tokenizer, hf_model.generation_config))
     try:
         assert isinstance(inf, InferenceEngine) and inf.version is None
