@@ -15,6 +15,12 @@ from grpo.export import export_model
 from grpo.logger import RunLogger, read_metrics
 
 
+def checkpoint_note(last_checkpoint: tuple[int, Path] | None, run_dir: Path) -> str:
+    """Where a run can be continued from, for a line saying how it ended."""
+    return f"the last checkpoint is {last_checkpoint[1]} (resume={run_dir})" if last_checkpoint else \
+        "this run has no checkpoint"
+
+
 class RunRecords:
     """``last_checkpoint``: (step, path) of the newest checkpoint this run can continue from; ``gpu_ids``: the
     GPUs this process computes on, whose peak memory each step reports."""
@@ -47,9 +53,7 @@ class RunRecords:
         tqdm.write(f"step {step}: checkpoint {path}")
 
     def last_checkpoint_note(self) -> str:
-        """Where the run can be continued from, for a line saying how it ended."""
-        path = self.last_checkpoint[1] if self.last_checkpoint else None
-        return f"the last checkpoint is {path} (resume={self.run_dir})" if path else "this run has no checkpoint"
+        return checkpoint_note(self.last_checkpoint, self.run_dir)
 
     def export(self, step: int, policy_model, tokenizer) -> None:
         """``<run dir>/export``: the policy as a Hugging Face folder (a resumed run's replaces the earlier one)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from grpo.inference import make_inference
 from grpo.logger import RunLogger, profile_to, reply_samples
 from grpo.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
                          stop_token_ids)
-from grpo.records import RunRecords
+from grpo.records import RunRecords, checkpoint_note
 from grpo.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths, resolved_config,
                         seed_everything, write_hydra_record)
 from grpo.trainer import Trainer
@@ -69,12 +70,13 @@ class Run:
     def evaluate_if_due(self, force: bool = False) -> None:
         self.evaluator.evaluate_if_due(self.step, self.trainer, self.records.logger, force=force)
 
-    def checkpoint_if_due(self, extras: dict, force: bool = False, rng: dict | None = None) -> None:
+    def checkpoint_if_due(self, extras: Callable[[], dict], force: bool = False, rng: dict | None = None) -> None:
+        """``extras``: what the rollout source keeps in a checkpoint (its ``state``), asked only when one is due."""
         freq = self.cfg.train.checkpoint_frequency
         if force or (freq and self.step % freq == 0):
             counters = {"step": self.step, "policy_version": self.trainer.policy_version,
                         "last_eval_step": self.evaluator.last_eval_step}
-            self.records.save_checkpoint(self.step, self.trainer, counters, extras, rng=rng)
+            self.records.save_checkpoint(self.step, self.trainer, counters, extras(), rng=rng)
 
 
 def start_run(cfg, *, inference_engines: int, dedicated_inference: bool) -> Run:
@@ -90,15 +92,8 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool) -> Run:
     seed_everything(cfg.seed)
     run_dir, payload, last_checkpoint = Path(HydraConfig.get().runtime.output_dir), None, None
     eval_only = cfg.train.total_steps == 0
-    holder = {}  # the run's records, once they exist
-
-    def last_checkpoint_note() -> str:  # what a second Ctrl-C says the run keeps
-        if holder:
-            return holder["records"].last_checkpoint_note()
-        return f"the last checkpoint is {last_checkpoint[1]} (resume={run_dir})" if last_checkpoint else \
-            "this run has no checkpoint"
-
-    stop_flag = StopFlag(last_checkpoint_note)
+    # what a second Ctrl-C says the run keeps; the records say it once they exist (below)
+    stop_flag = StopFlag(lambda: checkpoint_note(last_checkpoint, run_dir))
     if cfg.resume:
         ckpt_path, payload = ckpt.find_checkpoint(
             str(cfg.resume), experiment_name=cfg.logging.experiment_name,
@@ -115,7 +110,7 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool) -> Run:
     except BaseException:
         claim.release()
         raise
-    holder["records"] = run.records
+    stop_flag.last_checkpoint = run.records.last_checkpoint_note
     return run
 
 
@@ -164,7 +159,6 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     if payload:  # eval only: the checkpoint is evaluated here
         trainer.restore(payload)  # RNG states last of all
         engine.push_weights(policy_model, trainer.policy_version)
-    trainer.watch_updates()
     # this process's GPUs; with dedicated inference its own engine (eval only) sits on the training GPU
     gpu_ids = sorted({*devices.train, *devices.ref, *([] if dedicated_inference else devices.inference)})
     records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids)
@@ -191,7 +185,7 @@ def train_loop(run: Run, source) -> Run:
                 metrics |= source.after_update(run.trainer.policy_model, run.trainer.policy_version)
                 run.records.log_step(step, metrics | filtering | source.step_metrics(), t0)
                 run.evaluate_if_due()
-                run.checkpoint_if_due(source.state())
+                run.checkpoint_if_due(source.state)
     finally:
         source.shutdown()
     return run
@@ -211,28 +205,24 @@ def steps(run: Run):
 
 
 @contextlib.contextmanager
-def guard(run: Run, source=None):
+def guard(run: Run, source):
     """On success: final eval, checkpoint and export (eval only: the eval alone). On SIGTERM/Ctrl-C:
     checkpoint, then exit non-zero. Either way the run ends with its summary. On any other exception:
     an emergency checkpoint of the last finished step if the weights are whole, then the exception goes on.
-    ``source``: the rollout source whose state the checkpoints keep (none: an eval-only run)."""
+    ``source``: the rollout source whose state the checkpoints keep."""
     records, trainer = run.records, run.trainer
-
-    def extras() -> dict:
-        return source.state() if source is not None else {}
-
     exit_code, ended = 1, None
     try:
         yield
         run.evaluate_if_due()
         if not run.eval_only:
-            run.checkpoint_if_due(extras(), force=True)
+            run.checkpoint_if_due(source.state, force=True)
             if run.cfg.logging.export:
                 records.export(run.step, trainer.policy_model, run.tokenizer)
         exit_code, ended = 0, "evaluated (train.total_steps=0)" if run.eval_only else "finished"
     except StopRequested as stop:
         tqdm.write(f"stopping after step {run.step}: {stop}; writing a checkpoint")
-        run.checkpoint_if_due(extras(), force=True)
+        run.checkpoint_if_due(source.state, force=True)
         ended = f"stopped after step {run.step} ({stop})"
         raise SystemExit(stop.exit_code)
     except Exception as err:
@@ -250,7 +240,7 @@ def guard(run: Run, source=None):
         else:
             run.step = trainer.completed_step  # what the checkpoint describes: counters, RNG and extras of that step
             try:
-                run.checkpoint_if_due(extras(), force=True, rng=trainer.completed_rng)
+                run.checkpoint_if_due(source.state, force=True, rng=trainer.completed_rng)
                 note = (f"{failed}; emergency checkpoint of step {run.step}: {records.last_checkpoint[1]} "
                         f"(resume={run.run_dir} continues from it)")
             except Exception as save_err:  # the original error matters more: report this one, raise that one

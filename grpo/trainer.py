@@ -30,6 +30,8 @@ class Trainer:
                                   stop_token_ids=stop_token_ids)
         self.policy_version = 0
         self.completed_step, self.completed_rng, self.half_updated = 0, None, False
+        # an optimiser step marks the weights half updated until ``update`` returns (restoring takes no step)
+        self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
 
     def restore(self, payload: dict) -> None:
         """Weights, optimiser, schedule and counters of a checkpoint, and its RNG states (last of all)."""
@@ -37,10 +39,6 @@ class Trainer:
                                     scheduler=self.scheduler)
         self.policy_version = payload["counters"]["policy_version"]
         self.completed_step = payload["counters"]["step"]
-
-    def watch_updates(self) -> None:
-        """From now on an optimiser step marks the weights half updated until ``update`` returns."""
-        self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
 
     def update(self, rollouts, step: int) -> dict:
         metrics = self.grpo_step(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser

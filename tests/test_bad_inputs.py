@@ -63,7 +63,7 @@ def made_run(tmp_path_factory):
     """A run dir holding a real checkpoint (of the tiny model), as a finished run leaves it."""
     run_dir = tmp_path_factory.mktemp("made_run")
     run = build_run(run_dir)
-    run.checkpoint_if_due({}, force=True)
+    run.checkpoint_if_due(dict, force=True)
     run.engine.shutdown()
     run.records.logger.close(0)
     return run_dir

@@ -58,7 +58,6 @@ def test_the_trainer_counts_versions_and_knows_a_half_done_update(tiny_model_dir
     model = load_policy_model(cfg, tok, torch.device("cpu"))
     trainer = Trainer(cfg, model, None, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
     trainer.grpo_step = StandInStep(trainer.optimizer)
-    trainer.watch_updates()
     assert trainer.update("ok", step=1) == {"optim_steps": 2, "policy_version": 2}
     assert (trainer.policy_version, trainer.completed_step, trainer.half_updated) == (2, 1, False)
     assert torch.equal(trainer.completed_rng["torch"], torch.get_rng_state())
