@@ -96,7 +96,7 @@ def main(argv=None) -> None:
     from bench_vs_trl import build_random_init_model
     from grpo.models import load_policy_model, load_tokenizer
     from grpo.trainer import make_optimizer, make_scheduler
-    from grpo.logprobs import score_replies
+    from grpo.logprobs import ReplyLogProbs, score_replies
     from grpo.step import GRPOSettings, GRPOStep
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
         base = GRPOSettings.from_config(cfg)
         for spread in args.lengths.split(","):
             batch, prompt_len, reply_len = synthetic_batch(len(tokenizer), args, spread, tokenizer.pad_token_id)
-            batch["behaviour_log_probs"] = score_replies(batch, next(iter(models.values())), base).float()  # on-policy
+            batch["behaviour_log_probs"] = score_replies(batch, ReplyLogProbs(next(iter(models.values()))), base).float()  # on-policy
             tokens = int((prompt_len + reply_len).sum())
             objectives = []
             for variant in variants:
@@ -130,7 +130,7 @@ def main(argv=None) -> None:
                     with torch.no_grad():
                         model.load_state_dict(initial)
                     optimizer = make_optimizer(cfg, model)
-                    step = GRPOStep(settings, policy=model, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 10),
+                    step = GRPOStep(settings, policy=ReplyLogProbs(model), optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 10),
                                     pad_token_id=tokenizer.pad_token_id, stop_token_ids=[])
                     torch.manual_seed(args.seed)  # the same minibatches for every variant
                     if device.type == "cuda":

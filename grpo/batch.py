@@ -92,9 +92,16 @@ def group_ids(rollouts) -> torch.Tensor:
 
 
 def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None):
-    """``(rows, trimmed micro-batch)`` pairs covering ``batch``: rows sorted by length and cut greedily
-    at ``max_rows`` rows or ``max_tokens`` padded tokens (rows x trimmed width), so short replies
-    share micro-batches and are not padded to the longest reply of a random draw."""
+    """``(rows, trimmed micro-batch)`` pairs covering ``batch``, cut by ``micro_batch_rows``."""
+    for rows in micro_batch_rows(batch, max_rows, max_tokens):
+        yield rows, trim_padding(batch[rows])
+
+
+def micro_batch_rows(batch: TensorDict, max_rows: int, max_tokens: int | None, min_rows: int = 1) -> list:
+    """Row indices of micro-batches covering ``batch``: rows sorted by length and cut greedily at
+    ``max_rows`` rows or ``max_tokens`` padded tokens (rows x trimmed width), so short replies share
+    micro-batches and are not padded to the longest reply of a random draw. A cut of fewer than
+    ``min_rows`` rows joins its neighbour (data-parallel ranks each need a row of every micro-batch)."""
     lengths = batch["prompt_length"] + batch["reply_length"]
     order = lengths.argsort(stable=True).tolist()
     prompt_len, reply_len = batch["prompt_length"].tolist(), batch["reply_length"].tolist()
@@ -107,9 +114,13 @@ def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None):
         current.append(row)
         width_p, width_r = wp, wr
     cuts.append(current)
-    for rows in cuts:
-        index = torch.tensor(rows)
-        yield index, trim_padding(batch[index])
+    merged = []
+    for cut in cuts:
+        if merged and (len(cut) < min_rows or len(merged[-1]) < min_rows):
+            merged[-1] = merged[-1] + cut
+        else:
+            merged.append(cut)
+    return [torch.tensor(rows) for rows in merged]
 
 
 def rollout_metrics(rollouts, batch: TensorDict) -> dict:

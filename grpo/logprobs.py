@@ -8,20 +8,39 @@ from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
 
 from grpo.batch import micro_batches
+from grpo.world import World
+
+
+class ReplyLogProbs(torch.nn.Module):
+    """``token_log_probs`` of one model as a module: what the step scores replies with. A data-parallel
+    trainer shards it with this as the root (``World.shard``): ``token_log_probs`` calls the decoder and
+    the LM head directly, and only a root's forward gathers the embeddings, final norm and head."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, width_r: int, *, with_entropy: bool, entropy_grad: bool):
+        token_lp, entropy = token_log_probs(self.model, input_ids, attention_mask, width_r, with_entropy=with_entropy,
+                                            entropy_grad=entropy_grad)
+        # not views: FSDP2 hooks the root's outputs for backward, and a view would lose the hook on any in-place op
+        return token_lp.clone(), entropy if entropy is None else entropy.clone()
 
 
 @torch.no_grad()
-def score_replies(batch: TensorDict, model, s) -> torch.Tensor:
-    """``[S, R]`` log-probs ``model`` gives the replies, in micro-batches cut as training's (``s``: the
-    step's ``GRPOSettings``)."""
-    device = next(model.parameters()).device
-    out = torch.zeros(batch["reply_mask"].shape)
-    for rows, part in micro_batches(batch, s.micro_batch_size, s.micro_batch_tokens):
+def score_replies(batch: TensorDict, score, s, world: World = World()) -> torch.Tensor:
+    """``[S, R]`` log-probs ``score`` (a ``ReplyLogProbs``) gives the replies, in micro-batches cut as
+    training's (``s``: the step's ``GRPOSettings``). Each rank of ``world`` scores its share of the rows
+    and every rank gets all of them; ``score`` must then not be sharded (ranks may cut differently)."""
+    device = next(score.parameters()).device
+    mine = world.share(torch.arange(batch.batch_size[0]))
+    out = torch.zeros((len(mine), batch["reply_mask"].shape[1]))
+    for rows, part in micro_batches(batch[mine], s.micro_batch_size, s.micro_batch_tokens):
         part = part.to(device)
-        lp, _ = token_log_probs(model, part["input_ids"], part["attention_mask"], part["reply_mask"].shape[1],
-                                with_entropy=False, entropy_grad=False)
+        lp, _ = score(part["input_ids"], part["attention_mask"], part["reply_mask"].shape[1],
+                      with_entropy=False, entropy_grad=False)
         out[rows, :lp.shape[1]] = lp.float().cpu()
-    return out * batch["reply_mask"]
+    return world.gather_shares(out, batch.batch_size[0]) * batch["reply_mask"]
 
 
 # Logits of at most this many bytes (float32) exist at once: a 152k vocabulary makes [S, R, V] logits

@@ -15,8 +15,9 @@
         backward; clip grad norm; optimiser and LR schedule step (a NaN/inf gradient: stop, or skip the step)
 
 Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read
-the config, and it runs the same on one data-parallel rank or many (a rank wraps ``policy`` and
-hands in its own share of the rollouts; ``LossTotals`` are what its sums would divide by). Same
+the config, and it runs the same on one data-parallel rank or many (``grpo/world.py``: every rank holds
+the whole batch, scores its share of the reference's rows and trains on its share of each micro-batch
+of the sharded ``policy``; ``LossTotals`` are the global minibatch's, the metrics summed over ranks). Same
 estimators as TorchRL's ``GRPOLoss`` (tests/test_step.py checks value and gradient against it); why not ``GRPOLoss`` itself: it runs on
 per-sample tensordicts and computes full-vocabulary logits at every prompt position; on a 0.5B model
 it used 2.4x TRL's GPU memory. Unlike TorchRL 0.14.1, KL terms and diagnostics average over reply
@@ -34,9 +35,10 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from grpo.batch import micro_batches, rollout_metrics, to_training_batch
+from grpo.batch import micro_batch_rows, rollout_metrics, to_training_batch, trim_padding
 from grpo.errors import NonFiniteError
-from grpo.logprobs import score_replies, token_log_probs
+from grpo.logprobs import ReplyLogProbs, score_replies
+from grpo.world import World, full, set_gradient_sync
 
 
 @dataclass(frozen=True)
@@ -83,17 +85,21 @@ class GRPOSettings:
 
 
 class GRPOStep:
-    """``step(rollouts) -> metrics``: ``prepare`` (dense batch, reference, advantages), then ``optimize``."""
+    """``step(rollouts) -> metrics``: ``prepare`` (dense batch, reference, advantages), then ``optimize``.
 
-    def __init__(self, settings: GRPOSettings, *, policy, optimizer, scheduler, ref_model=None,
-                 pad_token_id: int, stop_token_ids: list[int]):
-        self.s = settings
-        self.policy, self.optimizer, self.scheduler, self.ref_model = policy, optimizer, scheduler, ref_model
+    ``policy``: the trained model's ``ReplyLogProbs``, sharded over ``world`` when it has several ranks;
+    ``ref_model``: the reference model itself (every rank holds all of it)."""
+
+    def __init__(self, settings: GRPOSettings, *, policy: ReplyLogProbs, optimizer, scheduler, ref_model=None,
+                 pad_token_id: int, stop_token_ids: list[int], world: World = World()):
+        self.s, self.world = settings, world
+        self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
+        self.ref = ReplyLogProbs(ref_model) if ref_model is not None else None
         self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
         # Eager forward + backward of a small model is bound by the CPU launching ~2000 kernels per
         # micro-batch; compiled, the same maths runs as a few fused kernels. dynamic=True: micro-batches
         # are trimmed to their own widths, so one graph serves them all.
-        self.forward = torch.compile(token_log_probs, dynamic=True) if settings.compile else token_log_probs
+        self.forward = torch.compile(policy, dynamic=True) if settings.compile else policy
 
     def __call__(self, rollouts) -> dict:
         batch, metrics = self.prepare(rollouts)
@@ -113,13 +119,14 @@ class GRPOStep:
                                        self.s.overlong_penalty)
             batch["reward"] = batch["reward"] - penalty
             metrics["overlong_penalty_mean"] = penalty.mean().item()
-        if self.ref_model is not None:
-            batch["ref_log_probs"] = score_replies(batch, self.ref_model, self.s)
+        if self.ref is not None:
+            batch["ref_log_probs"] = score_replies(batch, self.ref, self.s, self.world)
             kl = per_sample_kl_to_ref(batch)
             metrics["kl_to_ref"] = kl.mean().item()
             if self.s.kl_to_ref_in_reward:
                 batch["reward"] = batch["reward"] - self.s.kl_to_ref_coeff * kl
         if self.s.inference_is_cap is not None:
+            # all rows on every rank: the sharded policy needs the same passes on every rank
             batch["trainer_log_probs"] = score_replies(batch, self.policy, self.s)
             gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
             metrics["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
@@ -138,32 +145,39 @@ class GRPOStep:
         cut. ``kl_to_inference_pre_update`` is the first minibatch's sampler/trainer KL, before any
         update: on-policy it must be ~0 (< 1e-3), or sampler and trainer disagree on the tokens.
         """
-        t0, s = time.perf_counter(), self.s
+        t0, s, world = time.perf_counter(), self.s, self.world
         device = next(self.policy.parameters()).device
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # device tensors until the end: a .item() per micro-batch would stall the GPU queue
         sums, grad_norms, n_minibatches, pre_update_kl, skipped, n_micro = defaultdict(float), [], 0, 0.0, 0, 0
+        advantage_abs = 0.0
         with train_mode_if(self.policy, s.gradient_checkpointing):
             for _ in range(s.epochs):
-                order = torch.randperm(batch.batch_size[0])
+                order = world.from_main(torch.randperm(batch.batch_size[0]))
                 for start in range(0, len(order), s.optim_batch_size):
                     minibatch = batch[order[start:start + s.optim_batch_size]]
-                    totals = LossTotals.of(minibatch)
-                    for _, micro in micro_batches(minibatch, s.micro_batch_size, s.micro_batch_tokens):
+                    totals = LossTotals.of(minibatch)  # every rank holds the whole minibatch: global totals
+                    # cut as one rank's budget times the ranks, then dealt out: each rank a like share
+                    cuts = micro_batch_rows(minibatch, s.micro_batch_size * world.size,
+                                            s.micro_batch_tokens and s.micro_batch_tokens * world.size, world.size)
+                    for i, rows in enumerate(cuts):
+                        micro = trim_padding(minibatch[world.share(rows)])
                         if device.type != "cpu":
                             micro = micro.to(device, non_blocking=True)
+                        set_gradient_sync(self.policy, i == len(cuts) - 1)  # one gradient sync per minibatch
                         with autocast_if(s.mixed_precision, self.policy):
-                            terms = grpo_terms(self.policy, micro, s, self.forward, totals)
+                            terms = grpo_terms(self.forward, micro, s, totals)
                         weighted_loss(terms, s).backward()
                         for name, value in logged_terms(terms, s).items():
                             sums[name] = sums[name] + value
                         if n_minibatches == 0:
                             pre_update_kl = pre_update_kl + terms["kl_to_inference"].detach()
                         n_micro += 1
-                    sums["advantage_abs"] = sums["advantage_abs"] + minibatch["advantage"].abs().mean()
+                    advantage_abs = advantage_abs + minibatch["advantage"].abs().mean()
                     n_minibatches += 1
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm).detach()
+                    grad_norm = full(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm)).detach()
                     # one host sync per optimiser step: a NaN/inf gradient must never reach the weights
+                    # (the norm is global, so every rank decides alike)
                     if not bool(grad_norm.isfinite()):
                         if s.on_nonfinite == "stop":
                             raise NonFiniteError(
@@ -176,9 +190,13 @@ class GRPOStep:
                         self.optimizer.step()
                         self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
+        names = sorted(sums)  # each rank's sums are its share of the global ones: one all-reduce adds them
+        totals_over_ranks = world.sum(torch.stack([torch.as_tensor(sums[n], device=device) for n in names]
+                                                  + [torch.as_tensor(pre_update_kl, device=device)]).float())
         train_s = time.perf_counter() - t0
-        return {name: float(value) / n_minibatches for name, value in sums.items()} | {
-            "kl_to_inference_pre_update": float(pre_update_kl),
+        return {name: float(value) / n_minibatches for name, value in zip(names, totals_over_ranks)} | {
+            "advantage_abs": float(advantage_abs) / n_minibatches,
+            "kl_to_inference_pre_update": float(totals_over_ranks[-1]),
             "grad_norm": float(sum(grad_norms)) / len(grad_norms) if grad_norms else float("nan"),
             "optim_steps": len(grad_norms), "skipped_optim_steps": skipped, "lr": self.scheduler.get_last_lr()[0],
             "micro_batches": n_micro / n_minibatches, "train_s": train_s,
@@ -189,7 +207,7 @@ class GRPOStep:
 class LossTotals:
     """What a minibatch's means divide by. Every term of ``grpo_terms`` is a sum over its micro-batch
     divided by these, so the micro-batches of any cut add up to the minibatch's loss and gradient
-    exactly; a data-parallel rank would pass the totals of the global minibatch."""
+    exactly; data-parallel ranks pass the totals of the global minibatch."""
     tokens: int       # reply tokens in the loss
     rows: int         # replies
     replies: int      # replies with at least one token in the loss
@@ -205,14 +223,13 @@ def loss_mask(batch: TensorDict) -> torch.Tensor:
     return batch["reply_mask"] & batch["behaviour_log_probs"].isfinite()
 
 
-def grpo_terms(model, batch: TensorDict, s: GRPOSettings, forward=None, totals: LossTotals | None = None) -> dict:
+def grpo_terms(score, batch: TensorDict, s: GRPOSettings, totals: LossTotals | None = None) -> dict:
     """The loss terms, unweighted (``objective``, ``entropy``, ``kl_to_ref``, ``kl_to_inference``),
     and diagnostics without gradient, all averaged over reply tokens (``aggregation`` for the first two;
     the objective of ``dr_grpo`` and ``gspo`` as ``loss_variant`` says): sums over ``batch`` divided by
     ``totals`` (those of ``batch`` itself by default), so a minibatch's micro-batches add up to it."""
-    cur, entropy = (forward or token_log_probs)(model, batch["input_ids"], batch["attention_mask"],
-                                                batch["reply_mask"].shape[1], with_entropy=True,
-                                                entropy_grad=s.entropy_coeff != 0)
+    cur, entropy = score(batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
+                         with_entropy=True, entropy_grad=s.entropy_coeff != 0)
     sampler = batch["behaviour_log_probs"]
     mask = loss_mask(batch)
     totals = totals or LossTotals.of(batch)

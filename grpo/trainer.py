@@ -8,7 +8,9 @@ import math
 import torch
 
 from grpo import checkpoint as ckpt
+from grpo.logprobs import ReplyLogProbs
 from grpo.step import GRPOSettings, GRPOStep
+from grpo.world import World
 
 
 class Trainer:
@@ -18,16 +20,19 @@ class Trainer:
     ``completed_step`` / ``completed_rng``: the last GRPO step whose update finished, and the RNG states
     right after it: what an emergency checkpoint may keep. ``half_updated``: an optimiser step ran in
     a GRPO step that has not finished, so the weights are neither the old nor the new ones.
+    On several ranks (``world``) the policy is sharded (FSDP2) and each rank trains on its share.
     """
 
-    def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, stop_token_ids: list[int]):
+    def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, stop_token_ids: list[int],
+                 world: World = World()):
         self.policy_model = policy_model
+        scorer = world.shard(ReplyLogProbs(policy_model))  # before the optimiser: it holds the shards
         self.optimizer = make_optimizer(cfg, policy_model)
         self.scheduler = make_scheduler(cfg, self.optimizer, cfg.train.total_steps * cfg.train.epochs
                                         * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size)
-        self.grpo_step = GRPOStep(GRPOSettings.from_config(cfg), policy=policy_model, optimizer=self.optimizer,
+        self.grpo_step = GRPOStep(GRPOSettings.from_config(cfg), policy=scorer, optimizer=self.optimizer,
                                   scheduler=self.scheduler, ref_model=ref_model, pad_token_id=pad_token_id,
-                                  stop_token_ids=stop_token_ids)
+                                  stop_token_ids=stop_token_ids, world=world)
         self.policy_version = 0
         self.completed_step, self.completed_rng, self.half_updated = 0, None, False
         # an optimiser step marks the weights half updated until ``update`` returns (restoring takes no step)

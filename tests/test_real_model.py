@@ -15,6 +15,7 @@ from conftest import TINY_DATA, compose
 from grpo.envs import make_collector, make_env
 from grpo.generation import EngineSettings
 from grpo.inference import TransformersInference
+from grpo.logprobs import ReplyLogProbs
 from grpo.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.trainer import make_optimizer, make_scheduler
 from grpo.step import GRPOSettings, GRPOStep
@@ -46,7 +47,7 @@ def real_step(request):
     rollouts = next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))).reshape(-1)
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = make_optimizer(cfg, policy)
-    step = GRPOStep(GRPOSettings.from_config(cfg), policy=policy, optimizer=optimizer,
+    step = GRPOStep(GRPOSettings.from_config(cfg), policy=ReplyLogProbs(policy), optimizer=optimizer,
                     scheduler=make_scheduler(cfg, optimizer, 1), ref_model=ref, pad_token_id=tok.pad_token_id,
                     stop_token_ids=stop_ids)
     batch, stats = step.prepare(rollouts)

@@ -20,7 +20,7 @@ from grpo.inference import make_transformers_policy
 from grpo.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
 from grpo.trainer import make_optimizer, make_scheduler
 from grpo.setup import resolve_local_paths
-from grpo.logprobs import score_replies, token_log_probs
+from grpo.logprobs import ReplyLogProbs, score_replies
 from grpo.step import (GRPOSettings, GRPOStep, LossTotals, grpo_terms, group_advantages, overlong_penalty,
                        per_sample_kl_to_ref, weighted_loss)
 
@@ -48,7 +48,7 @@ def setup(tiny_model_dir, tiny_data_dir):
 
 
 def terms_of(cfg, model, batch, forward=None) -> dict:
-    return grpo_terms(model, batch, GRPOSettings.from_config(cfg), forward)
+    return grpo_terms(forward or ReplyLogProbs(model), batch, GRPOSettings.from_config(cfg))
 
 
 def unpadded_reply_log_probs(model, sample) -> torch.Tensor:
@@ -229,7 +229,7 @@ def test_kl_to_ref_penalty_is_masked_k3(setup):
     assert float(weighted_loss(out, settings)) == pytest.approx(float(out["objective"]) + 0.5 * float(expected_kl),
                                                                 rel=1e-4)
     # in the reward instead: no loss term
-    assert "kl_to_ref" not in grpo_terms(model, batch, dataclasses.replace(settings, kl_to_ref_in_reward=True))
+    assert "kl_to_ref" not in grpo_terms(ReplyLogProbs(model), batch, dataclasses.replace(settings, kl_to_ref_in_reward=True))
 
 
 def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
@@ -255,8 +255,9 @@ def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
 
 def make_step(cfg, model, **settings) -> GRPOStep:
     optimizer = make_optimizer(cfg, model)
-    return GRPOStep(dataclasses.replace(GRPOSettings.from_config(cfg), **settings), policy=model, optimizer=optimizer,
-                    scheduler=make_scheduler(cfg, optimizer, 100), pad_token_id=0, stop_token_ids=[])
+    return GRPOStep(dataclasses.replace(GRPOSettings.from_config(cfg), **settings), policy=ReplyLogProbs(model),
+                    optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), pad_token_id=0,
+                    stop_token_ids=[])
 
 
 def test_optimize_steps_once_per_minibatch_and_starts_on_policy(setup):
@@ -294,7 +295,7 @@ def test_micro_batches_add_up_to_one_pass_over_the_minibatch(setup, variant, agg
         model.zero_grad(set_to_none=True)
         summed = {}
         for part in parts:
-            out = grpo_terms(model, part, settings, totals=totals)
+            out = grpo_terms(ReplyLogProbs(model), part, settings, totals)
             weighted_loss(out, settings).backward()
             summed = {k: summed.get(k, 0.0) + v.detach() for k, v in out.items()}
         return summed, [p.grad.clone() for p in model.parameters()]
@@ -335,8 +336,8 @@ def test_reference_scoring_in_micro_batches_equals_one_pass(setup):
     cfg, _, model, _, batch = setup
     settings = GRPOSettings.from_config(cfg)
     budget = 2 * int((batch["prompt_length"] + batch["reply_length"]).max())
-    cut = score_replies(batch, model, dataclasses.replace(settings, micro_batch_size=3, micro_batch_tokens=budget))
-    whole = score_replies(batch, model, dataclasses.replace(settings, micro_batch_size=8, micro_batch_tokens=None))
+    cut = score_replies(batch, ReplyLogProbs(model), dataclasses.replace(settings, micro_batch_size=3, micro_batch_tokens=budget))
+    whole = score_replies(batch, ReplyLogProbs(model), dataclasses.replace(settings, micro_batch_size=8, micro_batch_tokens=None))
     torch.testing.assert_close(cut, whole, atol=1e-5, rtol=1e-5)
     mask = batch["reply_mask"]
     torch.testing.assert_close(whole[mask], batch["behaviour_log_probs"][mask], atol=1e-4, rtol=1e-4)
@@ -392,13 +393,14 @@ def test_compiled_loss_matches_eager_in_value_and_gradient(setup):
     batch = batch.clone()
     batch["advantage"] = torch.linspace(-1.0, 1.0, batch.shape[0])
     settings = GRPOSettings.from_config(cfg)
-    compiled = make_step(cfg, model, compile=True).forward
-    assert compiled is not token_log_probs
+    step = make_step(cfg, model, compile=True)
+    compiled = step.forward
+    assert compiled is not step.policy
     for part in (trim_padding(batch[:4]), trim_padding(batch[4:])):
         results = []
-        for forward in (token_log_probs, compiled):
+        for forward in (step.policy, compiled):
             model.zero_grad(set_to_none=True)
-            out = grpo_terms(model, part, settings, forward)
+            out = grpo_terms(forward, part, settings)
             weighted_loss(out, settings).backward()
             results.append((out, [p.grad.clone() for p in model.parameters()]))
         (out_e, grads_e), (out_c, grads_c) = results

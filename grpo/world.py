@@ -1,0 +1,102 @@
+"""The data-parallel world a trainer rank lives in: its rank, how many ranks train, and the few
+collectives the GRPO step needs. One process is a world of one, where every collective is the
+identity, so the step reads the same on one rank or many (``grpo/step.py``).
+
+Every rank holds the whole step's batch (a few MB of token ids) and trains on rows ``rank::size``
+of each micro-batch, cut from the minibatch the same way on every rank: the ranks then run the same
+number of forward/backward passes, which FSDP2's collectives need, and the loss is exact whatever
+the number of ranks (each term a sum divided by the global minibatch's totals; gradients summed).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def from_env(cls) -> World:
+        """The world ``torchrun`` (or any launcher setting RANK / WORLD_SIZE / MASTER_ADDR) started: joins
+        its process group (NCCL on GPUs, gloo on CPU). Without those variables: a world of one."""
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size == 1:
+            return cls()
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        return cls(rank=dist.get_rank(), size=dist.get_world_size())
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the one writer of metrics, samples, plots and checkpoints."""
+        return self.rank == 0
+
+    def share(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a micro-batch (every ``size``-th, from ``rank``): sorted by length, the
+        rows are dealt out so each rank gets a like share of the tokens."""
+        return rows[self.rank::self.size]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks (a new tensor)."""
+        if self.size == 1:
+            return tensor
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out
+
+    def from_main(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor on every rank (a random draw made once, e.g. the minibatch order)."""
+        if self.size > 1:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    def gather_shares(self, local: torch.Tensor, n_rows: int) -> torch.Tensor:
+        """The ``[n_rows, ...]`` tensor whose rows ``r::size`` rank ``r`` computed as ``local``."""
+        if self.size == 1:
+            return local
+        width = -(-n_rows // self.size)  # ranks may hold one row fewer: pad to gather equal shapes
+        padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype)
+        padded[:len(local)] = local
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded)
+        out = torch.empty((n_rows, *local.shape[1:]), dtype=local.dtype)
+        for rank, part in enumerate(parts):
+            out[rank::self.size] = part[:len(range(rank, n_rows, self.size))]
+        return out
+
+    def shard(self, scorer: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 over the ranks: each decoder layer of ``scorer.model`` one unit, ``scorer`` (a
+        ``ReplyLogProbs``) the root, holding the embeddings, final norm and LM head, tied or not.
+        Gradients are summed, not averaged: each rank's loss is already its share of the global
+        minibatch's sum. A world of one: unchanged. The optimiser must be built after this."""
+        if self.size == 1:
+            return scorer
+        for layer in scorer.model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(scorer)
+        for unit in scorer.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        return scorer
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) value made whole on every rank; a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:
+    """FSDP2: reduce-scatter gradients after this backward (the minibatch's last micro-batch) or keep
+    accumulating them unsharded; a module that is not sharded always holds its whole gradient."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)

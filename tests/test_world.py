@@ -1,0 +1,104 @@
+"""Data-parallel training (grpo/world.py): two FSDP2 ranks over gloo train exactly as one rank does."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+
+from conftest import compose
+from grpo.batch import micro_batch_rows
+from grpo.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
+from grpo.setup import resolve_local_paths
+from grpo.trainer import Trainer
+from grpo.world import World, full
+from test_step import setup  # noqa: F401 - a fixture: rollouts of the tiny model, 2 groups of 4
+
+OVERRIDES = ["env.repeats=4", "env.num_envs=8", "train.dialog_turns_per_batch=8", "inference_model.max_new_tokens=24",
+             "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "train.micro_batch_tokens=null"]
+
+
+def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str):
+    """One rank: the trainer as the run builds it, three GRPO steps on the same rollouts; rank 0 writes
+    each step's metrics and the whole weights after the last."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    world = World.from_env()
+    cfg = compose("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={data_dir}", *OVERRIDES])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    cpu = torch.device("cpu")
+    policy, ref = load_policy_model(cfg, tok, cpu), load_reference_model(cfg, tok, cpu)
+    trainer = Trainer(cfg, policy, ref, pad_token_id=tok.pad_token_id,
+                      stop_token_ids=stop_token_ids(tok, policy.generation_config), world=world)
+    rollouts = torch.load(rollouts_file, weights_only=False)
+    metrics = [trainer.update(rollouts, step) for step in (1, 2, 3)]
+    weights = {name: full(p.detach()) for name, p in policy.named_parameters()}
+    if world.is_main:
+        torch.save({"metrics": metrics, "weights": weights}, out)
+    if size > 1:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(size: int, tmp_path, rollouts_file, cfg) -> dict:
+    out = str(tmp_path / f"ranks{size}.pt")
+    mp.spawn(train_three_steps, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
+                                                   str(rollouts_file), out))
+    return torch.load(out, weights_only=False)
+
+
+def test_two_ranks_train_as_one(setup, tmp_path):  # noqa: F811 - the imported fixture
+    """Same seed, same rollouts: two ranks (each half of every micro-batch, the policy sharded, the
+    reference scoring half the rows) give the step-1 loss and gradient norm of one rank to 1e-5, the
+    same metrics, and the same weights after 3 steps (6 optimiser steps) to 1e-5."""
+    cfg, _, _, rollouts, _ = setup
+    rollouts_file = tmp_path / "rollouts.pt"
+    torch.save(rollouts, rollouts_file)
+    one, two = run_ranks(1, tmp_path, rollouts_file, cfg), run_ranks(2, tmp_path, rollouts_file, cfg)
+    first_one, first_two = one["metrics"][0], two["metrics"][0]
+    assert first_one["optim_steps"] == 2 * cfg.train.epochs
+    assert first_one["micro_batches"] == 2 and first_two["micro_batches"] == 1
+    for key in ("loss_objective", "grad_norm", "loss_kl_to_ref", "kl_to_ref", "entropy", "kl_to_inference_pre_update"):
+        assert first_two[key] == pytest.approx(first_one[key], rel=1e-5, abs=1e-8), key
+    assert abs(first_one["loss_objective"]) > 1e-3 and first_one["loss_kl_to_ref"] > 1e-6  # not trivially equal
+    for step_one, step_two in zip(one["metrics"][1:], two["metrics"][1:]):
+        for key in ("loss_objective", "loss_kl_to_ref", "grad_norm"):
+            assert step_two[key] == pytest.approx(step_one[key], rel=1e-4, abs=1e-8), key
+    moved = max(float((w - before).abs().max()) for w, before in zip(one["weights"].values(),
+                                                                   load_initial_weights(cfg).values()))
+    assert moved > 1e-3  # three steps changed the weights well beyond the tolerance
+    for name, weight in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def load_initial_weights(cfg) -> dict:
+    tok = load_tokenizer(cfg.model.name)
+    return {n: p.detach() for n, p in load_policy_model(cfg, tok, torch.device("cpu")).named_parameters()}
+
+
+def test_a_world_of_one_is_the_identity():
+    world = World()
+    rows = torch.arange(5)
+    assert world.is_main and torch.equal(world.share(rows), rows)
+    assert torch.equal(world.sum(rows), rows) and torch.equal(world.gather_shares(rows, 5), rows)
+
+
+def test_micro_batches_for_ranks_hold_a_row_for_each():
+    """Cut for 2 ranks, no micro-batch has fewer than 2 rows, and the cuts still cover every row once."""
+    batch = TensorDict({"prompt_length": torch.tensor([5, 5, 5, 5, 5]),
+                        "reply_length": torch.tensor([1, 2, 40, 3, 50])}, batch_size=[5])
+    alone = micro_batch_rows(batch, max_rows=4, max_tokens=60)
+    assert min(len(rows) for rows in alone) == 1  # the two longest rows exceed the budget together
+    paired = micro_batch_rows(batch, max_rows=4, max_tokens=60, min_rows=2)
+    assert min(len(rows) for rows in paired) >= 2
+    assert sorted(torch.cat(paired).tolist()) == list(range(5))
