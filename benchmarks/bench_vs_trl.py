@@ -198,13 +198,13 @@ class GreedyEvaluator:
 
     def __init__(self, spec: dict, tokenizer):
         _import_project()
-        from grpo.envs import EVAL_FIELDS, GSM8KTaskEnv, load_gsm8k
+        from grpo.envs import GSM8KTask, GSM8KTaskEnv, load_gsm8k
 
         self.num_problems = min(spec["eval_problems"], len(load_gsm8k(spec["data"], "test")))
         self.env = GSM8KTaskEnv(dataset=spec["data"], split="test", tokenizer=tokenizer, repeats=1,
                                 num_envs=min(spec["eval_batch_size"], self.num_problems), seed=spec["seed"],
                                 shuffle=False, answer_extraction="tag", format_reward=0.1)
-        self.fields = EVAL_FIELDS["gsm8k"]
+        self.fields = GSM8KTask.eval_fields
         self.tokenizer = tokenizer
         self.max_new_tokens = spec["max_new_tokens"]
 

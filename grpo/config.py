@@ -7,7 +7,7 @@ import warnings
 
 from omegaconf import OmegaConf
 
-from grpo.envs import TASK_ENVS
+from grpo.envs import TASKS
 from grpo.errors import ConfigError
 from grpo.rewards import ANSWER_EXTRACTIONS
 from grpo.user_rewards import parse_spec
@@ -20,7 +20,7 @@ def validate_config(cfg) -> None:
         if not ok:
             raise ConfigError(message)
 
-    need(cfg.env.task in TASK_ENVS, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASK_ENVS)}.")
+    need(cfg.env.task in TASKS, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASKS)}.")
     # counts first: the divisibility checks below would divide by them
     for key in ("env.num_envs", "train.dialog_turns_per_batch", "train.optim_batch_size",
                 "train.gradient_accumulation_steps", "eval.batch_size", "eval.num_problems",

@@ -230,12 +230,48 @@ def check_prompt_text(cfg, tokenizer, splits: dict) -> None:
                     "control token (a forged turn); remove it from the row, or write it another way.")
 
 
-class IFEvalTask:
+class Task:
+    """What the run needs to know of a task, declared once, here: which column is the user turn, what
+    ``reward.functions`` get and whether they are its only reward, how its rows are read and checked,
+    its system prompt, its env, and the env outputs averaged into eval rows (``eval/<name>``; the
+    first is ``eval/accuracy``'s source). A new task is one more subclass in ``TASKS``."""
+
+    eval_fields: dict = {"accuracy": "success"}
+    rewards_alone = False  # reward.functions add to the task's own reward
+
+    @staticmethod
+    def prompt_column(cfg) -> str:
+        raise NotImplementedError
+
+    @staticmethod
+    def answer_column(cfg) -> str | None:
+        """The column reward functions also get as ``answer`` (None: none)."""
+        return None
+
+    @staticmethod
+    def load_rows(cfg, split: str):
+        """One split of ``env.dataset``, read and checked row by row."""
+        raise NotImplementedError
+
+    @staticmethod
+    def system_prompt(cfg) -> str | None:
+        raise NotImplementedError
+
+    @staticmethod
+    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
+        raise NotImplementedError
+
+
+class IFEvalTask(Task):
     """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.ifeval_checks)."""
 
-    prompt_key = "prompt"
+    eval_fields = {"accuracy": "success", "prompt_strict_acc": "prompt_level_strict_acc",
+                   "inst_strict_acc": "inst_level_strict_acc", "prompt_loose_acc": "prompt_level_loose_acc",
+                   "inst_loose_acc": "inst_level_loose_acc", "format_rate": "format_ok"}
+    prompt_column = staticmethod(lambda cfg: "prompt")
     system_prompt = staticmethod(lambda cfg: IFEvalEnv.SYSTEM_PROMPT)
-    load_split = staticmethod(load_ifeval_rows)  # validates every row's instruction ids and kwargs
+    # validates every row's instruction ids and kwargs
+    load_rows = staticmethod(lambda cfg, split: load_ifeval_rows(cfg.env.dataset, split))
 
     @staticmethod
     def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
@@ -244,10 +280,12 @@ class IFEvalTask:
                                system_prompt=cfg.env.system_prompt)
 
 
-class GSM8KTask:
-    prompt_key = "question"
+class GSM8KTask(Task):
+    eval_fields = {"accuracy": "success", "strict_accuracy": "correct_strict",
+                   "flexible_accuracy": "correct_flexible", "answer_rate": "marked_answer"}
+    prompt_column = staticmethod(lambda cfg: "question")
     system_prompt = staticmethod(lambda cfg: GSM8KTaskEnv.SYSTEM_PROMPTS[cfg.reward.answer_extraction])
-    load_split = staticmethod(load_gsm8k)
+    load_rows = staticmethod(lambda cfg, split: load_gsm8k(cfg.env.dataset, split))
 
     @staticmethod
     def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
@@ -257,35 +295,36 @@ class GSM8KTask:
                             answer_extraction=cfg.reward.answer_extraction)
 
 
-class GenericTask:
-    """Your own data: ``env.prompt_key`` is the user turn, the reward is ``reward.functions`` alone."""
+class GenericTask(Task):
+    """Your own data: ``env.prompt_key`` is the user turn, the reward is ``reward.functions`` alone
+    (eval/accuracy: the share of replies whose reward is above ``reward.success_threshold``)."""
 
+    rewards_alone = True
+    prompt_column = staticmethod(lambda cfg: cfg.env.prompt_key)
+    answer_column = staticmethod(lambda cfg: cfg.env.answer_key)
     system_prompt = staticmethod(lambda cfg: PromptsEnv.SYSTEM_PROMPT)
-    load_split = staticmethod(load_prompt_rows)
+
+    @staticmethod
+    def load_rows(cfg, split: str):
+        return load_prompt_rows(cfg.env.dataset, split, prompt_key=cfg.env.prompt_key, answer_key=cfg.env.answer_key)
 
     @staticmethod
     def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
-        rows = load_prompt_rows(cfg.env.dataset, split, prompt_key=cfg.env.prompt_key, answer_key=cfg.env.answer_key)
-        return PromptsEnv(rows=rows, prompt_key=cfg.env.prompt_key, tokenizer=tokenizer, repeats=repeats,
-                          num_envs=num_envs, seed=cfg.seed, shuffle=shuffle, system_prompt=cfg.env.system_prompt)
+        return PromptsEnv(rows=GenericTask.load_rows(cfg, split), prompt_key=cfg.env.prompt_key, tokenizer=tokenizer,
+                          repeats=repeats, num_envs=num_envs, seed=cfg.seed, shuffle=shuffle,
+                          system_prompt=cfg.env.system_prompt)
 
 
-TASK_ENVS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask, "generic": GenericTask}
+TASKS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask, "generic": GenericTask}
 
-# Per task, the env outputs averaged into eval rows (eval/<name>); the first is eval/accuracy's source.
-EVAL_FIELDS = {
-    "gsm8k": {"accuracy": "success", "strict_accuracy": "correct_strict", "flexible_accuracy": "correct_flexible",
-              "answer_rate": "marked_answer"},
-    "ifeval": {"accuracy": "success", "prompt_strict_acc": "prompt_level_strict_acc",
-               "inst_strict_acc": "inst_level_strict_acc", "prompt_loose_acc": "prompt_level_loose_acc",
-               "inst_loose_acc": "inst_level_loose_acc", "format_rate": "format_ok"},
-    "generic": {"accuracy": "success"},  # reward > reward.success_threshold
-}
+
+def task_of(cfg) -> type[Task]:
+    return TASKS[cfg.env.task]
 
 
 def task_system_prompt(cfg) -> str | None:
     """The system turn of every prompt: ``env.system_prompt``, or the task's own when it is null."""
-    return TASK_ENVS[cfg.env.task].system_prompt(cfg) if cfg.env.system_prompt is None else cfg.env.system_prompt
+    return task_of(cfg).system_prompt(cfg) if cfg.env.system_prompt is None else cfg.env.system_prompt
 
 
 def column_values(rows, column: str) -> list:
@@ -296,22 +335,19 @@ def column_values(rows, column: str) -> list:
 
 def prompt_column(cfg) -> str:
     """The column holding each row's user turn."""
-    return cfg.env.prompt_key if cfg.env.task == "generic" else TASK_ENVS[cfg.env.task].prompt_key
+    return task_of(cfg).prompt_column(cfg)
 
 
 def load_splits(cfg) -> dict:
     """The train and test splits, as the task reads and checks them, by name; the user's reward
     functions are imported and their parameters checked against the columns. All of it at start:
     a bad row or function would otherwise stop the run when first met."""
-    task = TASK_ENVS[cfg.env.task]
-    generic = task is GenericTask
-    columns = {"prompt_key": cfg.env.prompt_key, "answer_key": cfg.env.answer_key} if generic else {}
-    splits = {split: task.load_split(cfg.env.dataset, split, **columns)
-              for split in (cfg.env.train_split, cfg.env.test_split)}
+    task = task_of(cfg)
+    splits = {split: task.load_rows(cfg, split) for split in (cfg.env.train_split, cfg.env.test_split)}
     functions = load_reward_functions(cfg.reward.functions)
     for split, rows in splits.items():
         names = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
-        offered = offered_arguments(names, cfg.env.answer_key if generic else None)
+        offered = offered_arguments(names, task.answer_column(cfg))
         for function in functions:
             function.check_arguments(offered, f"env.dataset={cfg.env.dataset!r} split {split!r}")
     return splits
@@ -320,14 +356,13 @@ def load_splits(cfg) -> dict:
 def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle: bool = True):
     """The task env named by ``env.task`` over one split of ``env.dataset``, with ``reward.functions``
     scoring the replies to the rows it draws (its data primer's)."""
-    task = TASK_ENVS[cfg.env.task]
+    task = task_of(cfg)
     env = task.build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs, shuffle=shuffle)
     if cfg.reward.functions:
-        generic = task is GenericTask
         env.append_transform(UserRewards(
             load_reward_functions(cfg.reward.functions), cfg.reward.weights, data_primer(env).dataloader.rows,
-            prompt_key=prompt_column(cfg), answer_key=cfg.env.answer_key if generic else None, split=split,
-            tokenizer=tokenizer, sole=generic, timeout_s=cfg.reward.timeout_s,
+            prompt_key=task.prompt_column(cfg), answer_key=task.answer_column(cfg), split=split,
+            tokenizer=tokenizer, sole=task.rewards_alone, timeout_s=cfg.reward.timeout_s,
             success_threshold=cfg.reward.success_threshold))
     return env
 

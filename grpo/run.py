@@ -23,7 +23,7 @@ from grpo import checkpoint as ckpt
 from grpo.config import validate_config, warn_if_too_few_rows
 from grpo.devices import DeviceAllocation, allocate_devices
 from grpo.dynamic_sampling import draw_step_batch
-from grpo.envs import EVAL_FIELDS, check_prompt_lengths, check_prompt_text, load_splits, make_env
+from grpo.envs import check_prompt_lengths, check_prompt_text, load_splits, make_env, task_of
 from grpo.errors import ConfigError, UserError
 from grpo.evaluation import Evaluator
 from grpo.generation import EngineSettings
@@ -154,7 +154,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     logger.log({"step": payload["step"] if payload else 0, "event": event,
                 **{f"devices/{k}": str(v) for k, v in devices.as_dict().items()}})
     counters = payload["counters"] if payload else {"step": 0, "last_eval_step": None}
-    evaluator = Evaluator(cfg, eval_env, engine, num_problems=num_eval_problems, fields=EVAL_FIELDS[cfg.env.task],
+    evaluator = Evaluator(cfg, eval_env, engine, num_problems=num_eval_problems, fields=task_of(cfg).eval_fields,
                           stop_ids=stop_ids, last_eval_step=None if eval_only else counters["last_eval_step"])
     if payload:  # eval only: the checkpoint is evaluated here
         trainer.restore(payload)  # RNG states last of all

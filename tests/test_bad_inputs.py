@@ -17,7 +17,8 @@ from torchrl.data.llm import History
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose, compose_in_run_dir
 from grpo.config import validate_config, warn_if_too_few_rows
-from grpo.envs import TASK_ENVS, check_prompt_lengths, load_splits, make_env
+from grpo.envs import check_prompt_lengths, load_gsm8k, load_splits, make_env, task_of
+from grpo.ifeval import load_ifeval_rows
 from grpo.errors import ConfigError, DataError, ExportError, ModelLoadError, ResumeError, UserError, clear_errors
 from grpo.export import export_checkpoint
 from grpo.decoding import ReplySampler
@@ -97,7 +98,7 @@ def gsm8k_train(train):
     """The train split loaded as ``start_run`` loads it, and its size checked against one step's prompts."""
     def load(ctx):
         folder = gsm8k_folder(ctx.tmp, train)
-        warn_if_too_few_rows(compose("grpo_tiny"), len(TASK_ENVS["gsm8k"].load_split(str(folder), "train")))
+        warn_if_too_few_rows(compose("grpo_tiny"), len(load_gsm8k(str(folder), "train")))
     return load
 
 
@@ -105,7 +106,7 @@ def ifeval_train(bad_row):
     def load(ctx):
         ok = {"key": 1, "prompt": "Write a poem.", "instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}
         (ctx.tmp / "train.jsonl").write_text(jsonl([ok, {"key": 2, "prompt": "Write a poem.", **bad_row}]))
-        TASK_ENVS["ifeval"].load_split(str(ctx.tmp), "train")
+        load_ifeval_rows(str(ctx.tmp), "train")
     return load
 
 
@@ -257,7 +258,7 @@ CASES = [
     case("samples_count-zero", config("logging.samples_count=0"), ConfigError, "logging.samples_count=0", ">= 1"),
     case("vllm-not-installed", vllm_not_installed, ConfigError, "vllm", "pip install",
          "inference_model.backend=transformers"),
-    # data rows: each task's load_split, as start_run calls it
+    # data rows: each task's load_rows, as start_run calls it
     case("malformed-json", gsm8k_train(jsonl(GOOD[:2]) + "{not json\n"), DataError,
          "env.dataset=", "train.jsonl", "JSON", "row 2"),
     case("row-without-answer", gsm8k_train(GOOD[:2] + [{"question": "What is 2 + 2?"}]), DataError,
@@ -420,7 +421,7 @@ def test_the_length_check_counts_prompts_as_the_policy_sees_them(config_name, mo
         return compose(config_name, [*overrides, f"inference_model.max_model_len={max_model_len}"])
 
     reply = max(cfg.inference_model.max_new_tokens, cfg.eval.max_new_tokens)
-    splits = {split: TASK_ENVS[cfg.env.task].load_split(cfg.env.dataset, split) for split in ("train", "test")}
+    splits = {split: task_of(cfg).load_rows(cfg, split) for split in ("train", "test")}
     check_prompt_lengths(with_context(prompt_tokens + reply), tokenizer, splits)  # exactly full: fits
     with pytest.raises(DataError, match=f"row 0: its prompt is {prompt_tokens} tokens"):
         check_prompt_lengths(with_context(prompt_tokens + reply - 1), tokenizer, splits)

@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, compose
 from grpo.config import validate_config, warn_if_too_few_rows
 from grpo.errors import ConfigError, DataError
-from grpo.envs import TASK_ENVS
+from grpo.envs import TASKS, load_gsm8k
 
 CONFIG_NAMES = sorted(p.stem for p in (REPO / "config").glob("*.yaml"))
 
@@ -23,7 +23,7 @@ def test_config_names():
 def test_every_config_composes_and_validates(name):
     cfg = compose(name)
     validate_config(cfg)
-    assert cfg.env.task in TASK_ENVS
+    assert cfg.env.task in TASKS
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
@@ -67,7 +67,7 @@ def test_bad_values_name_key_and_fix(override, pattern):
 
 def test_missing_local_dataset(tmp_path):
     with pytest.raises(DataError, match="env.dataset=.*no such file or folder"):
-        TASK_ENVS["gsm8k"].load_split(str(tmp_path / "missing"), "train")
+        load_gsm8k(str(tmp_path / "missing"), "train")
 
 
 @pytest.mark.parametrize("override, expected", [
