@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Rollout generation on one GPU: transformers' ``generate`` against our decode loop (grpo.decoding).
+"""Rollout generation on one GPU: transformers' ``generate`` against our decode loop (grpo.inference.decoding).
 
     python benchmarks/bench_generation.py --shapes qwen2.5-0.5b,qwen2.5-1.5b --batches 64,128 --max-new-tokens 512
     python benchmarks/bench_generation.py --device cpu --shapes tiny-wide-vocab --batches 8 --max-new-tokens 16   # smoke test
@@ -9,7 +9,7 @@ prompts (``--prompts-per-batch`` questions x the rest as repeats, as a rollout b
 with the rollout settings (temperature 1, top_k/top_p off) by:
 
 * ``hf``: ``model.generate`` as TorchRL's wrapper calls it (``output_logits``: full logits per token);
-* ``ours``: ``grpo.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch).
+* ``ours``: ``grpo.inference.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch).
 
 After one warm-up call (which pays compilation), ``--calls`` timed calls give generated tokens/s
 (tokens up to each reply's end), the decode bound (batch x memory bandwidth / bytes of weights:
@@ -117,8 +117,8 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
     import torch
     from bench_vs_trl import build_random_init_model
 
-    from grpo.decoding import ReplySampler
-    from grpo.models import load_causal_lm, load_tokenizer, stop_token_ids
+    from grpo.inference.decoding import ReplySampler
+    from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
     device = torch.device(args.device)
     model_dir = build_random_init_model(shape, str(REPO / args.tokenizer), Path(tempfile.mkdtemp()) / shape, seed=0)

@@ -4,7 +4,7 @@
         --num-prompts 16 --max-new-tokens 32
 
 Backends: transformers ``model.generate`` through TorchRL's ``TransformersWrapper``, and an
-in-process vLLM engine through ``vLLMWrapper`` (grpo.vllm_backend). Both sample (temperature
+in-process vLLM engine through ``vLLMWrapper`` (grpo.inference.vllm_backend). Both sample (temperature
 1.0) exactly ``--max-new-tokens`` tokens per prompt (EOS ignored / min_new_tokens), from the
 same chat prompts, returning response log-probs as the GRPO collector would. Prints
 tokens/s for each, the ratio, vLLM import and engine start-up time, and the time of an
@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from grpo.vllm_backend import (  # noqa: E402
+from grpo.inference.vllm_backend import (  # noqa: E402
     configure_vllm_env,
     make_vllm_engine,
     make_vllm_policy,

@@ -5,7 +5,7 @@
     python benchmarks/bench_train_step.py --device cpu --shape tiny-wide-vocab --replies 16 --max-new-tokens 32
 
 A random-init model of a bench_vs_trl shape is loaded as the trainer loads its policy
-(``grpo.models.load_policy_model`` with the default ``grpo_gsm8k`` config: float32 master weights,
+(``grpo.training.models.load_policy_model`` with the default ``grpo_gsm8k`` config: float32 master weights,
 bf16 autocast on a GPU) and trained on one synthetic rollout batch: ``--replies`` replies to prompts
 of 90-160 tokens, group advantages, the sampler's log-probs equal to the model's own (on-policy).
 Reply lengths are ``cap`` (every reply at ``--max-new-tokens``, as a random-init model writes) or
@@ -68,7 +68,7 @@ def reply_lengths(spread: str, n: int, cap: int, gen):
 
 
 def synthetic_batch(vocab: int, args, spread: str, pad_id: int):
-    """A dense batch as ``grpo.batch.to_training_batch`` builds it, less the sampler's log-probs."""
+    """A dense batch as ``grpo.training.batch.to_training_batch`` builds it, less the sampler's log-probs."""
     import torch
     from tensordict import TensorDict
 
@@ -94,10 +94,10 @@ def main(argv=None) -> None:
     from hydra import compose, initialize_config_dir
 
     from bench_vs_trl import build_random_init_model
-    from grpo.models import load_policy_model, load_tokenizer
-    from grpo.trainer import make_optimizer, make_scheduler
-    from grpo.logprobs import ReplyLogProbs, score_replies
-    from grpo.step import GRPOSettings, GRPOStep
+    from grpo.training.models import load_policy_model, load_tokenizer
+    from grpo.training.trainer import make_optimizer, make_scheduler
+    from grpo.training.logprobs import ReplyLogProbs, score_replies
+    from grpo.training.step import GRPOSettings, GRPOStep
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     variants = [parse_variant(v) for v in args.variants.split(";")]

@@ -23,7 +23,7 @@ What is measured, per side
     * peak memory: the child's max RSS (``os.wait4``); on CUDA also
       ``torch.cuda.max_memory_allocated`` (an ``atexit`` hook loaded through ``sitecustomize``, so
       ours still runs as the plain ``python grpo/grpo.py`` command).
-    * held-out greedy accuracy with ONE evaluator: the project's own (``grpo.evaluation.evaluate``
+    * held-out greedy accuracy with ONE evaluator: the project's own (``grpo.loop.evaluation.evaluate``
       over a ``GSM8KTaskEnv`` on the test split with a greedy transformers policy), which is what
       our run logs as ``eval/accuracy``. TRL's model is evaluated with it at the same steps (outside
       the timed steps); our final checkpoint is re-evaluated with it in a separate process to check
@@ -198,7 +198,7 @@ class GreedyEvaluator:
 
     def __init__(self, spec: dict, tokenizer):
         _import_project()
-        from grpo.envs import GSM8KTask, GSM8KTaskEnv, load_gsm8k
+        from grpo.tasks.envs import GSM8KTask, GSM8KTaskEnv, load_gsm8k
 
         self.num_problems = min(spec["eval_problems"], len(load_gsm8k(spec["data"], "test")))
         self.env = GSM8KTaskEnv(dataset=spec["data"], split="test", tokenizer=tokenizer, repeats=1,
@@ -209,10 +209,10 @@ class GreedyEvaluator:
         self.max_new_tokens = spec["max_new_tokens"]
 
     def __call__(self, model) -> dict:
-        from grpo.decoding import ReplySampler
-        from grpo.evaluation import evaluate
-        from grpo.inference import make_transformers_policy
-        from grpo.models import stop_token_ids
+        from grpo.inference.decoding import ReplySampler
+        from grpo.loop.evaluation import evaluate
+        from grpo.inference.engine import make_transformers_policy
+        from grpo.training.models import stop_token_ids
 
         was_training = model.training
         model.eval()
@@ -236,7 +236,7 @@ def _torch_dtype(name: str):
 
 def _load_tokenizer(spec):
     _import_project()
-    from grpo.models import load_tokenizer
+    from grpo.training.models import load_tokenizer
 
     return load_tokenizer(spec["model"])
 
@@ -287,9 +287,9 @@ def trl_worker(spec: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from trl.data_utils import apply_chat_template
 
-    from grpo.envs import GSM8KTaskEnv, load_gsm8k
-    from grpo.rewards import is_well_formatted, numbers_match, reference_answer
-    from grpo.setup import seed_everything
+    from grpo.tasks.envs import GSM8KTaskEnv, load_gsm8k
+    from grpo.tasks.rewards import is_well_formatted, numbers_match, reference_answer
+    from grpo.process.setup import seed_everything
     from tools.tiny_model import build_prompt
 
     seed_everything(spec["seed"])
@@ -343,7 +343,7 @@ def trl_worker(spec: dict) -> None:
         logging_steps=k, report_to="none", save_strategy="no", disable_tqdm=True, log_level="warning",
         dataloader_num_workers=0, remove_unused_columns=False,
     )
-    # The optimiser and schedule ours builds (grpo.trainer): AdamW, linear warm-up from lr/W, then constant.
+    # The optimiser and schedule ours builds (grpo.training.trainer): AdamW, linear warm-up from lr/W, then constant.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     warm = spec["warmup_steps"]
@@ -438,7 +438,7 @@ def eval_checkpoint_worker(spec: dict) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from grpo.checkpoint import list_checkpoints, load_checkpoint
+    from grpo.training.checkpoint import list_checkpoints, load_checkpoint
 
     run_dir = Path(spec["workdir"]) / "ours"
     ckpt = list_checkpoints(run_dir / "checkpoints")[-1]

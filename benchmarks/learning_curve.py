@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo.logger import read_metrics  # noqa: E402
+from grpo.loop.logger import read_metrics  # noqa: E402
 
 
 def curve(run_dir: Path) -> dict:

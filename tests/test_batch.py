@@ -1,10 +1,10 @@
-"""grpo/batch.py: what counts as a reply token in the dense training batch."""
+"""grpo/training/batch.py: what counts as a reply token in the dense training batch."""
 
 import torch
 from tensordict import TensorDict, lazy_stack
 
-from grpo.batch import to_training_batch
-from grpo.batch import rollout_metrics
+from grpo.training.batch import to_training_batch
+from grpo.training.batch import rollout_metrics
 
 EOS, PAD = 2, 0
 

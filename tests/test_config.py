@@ -8,9 +8,9 @@ import warnings
 import pytest
 
 from conftest import REPO, compose
-from grpo.config import validate_config, warn_if_too_few_rows
-from grpo.errors import ConfigError, DataError
-from grpo.envs import TASKS, load_gsm8k
+from grpo.process.config import validate_config, warn_if_too_few_rows
+from grpo.process.errors import ConfigError, DataError
+from grpo.tasks.envs import TASKS, load_gsm8k
 
 CONFIG_NAMES = sorted(p.stem for p in (REPO / "config").glob("*.yaml"))
 

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 import datasets
 import pytest
 
-from grpo.data import PromptLedger, PromptStream, data_primer, load_split, serve_from
-from grpo.envs import load_gsm8k
-from grpo.errors import DataError, ResumeError
+from grpo.tasks.data import PromptLedger, PromptStream, data_primer, load_split, serve_from
+from grpo.tasks.envs import load_gsm8k
+from grpo.process.errors import DataError, ResumeError
 
 ROWS = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
 
@@ -75,8 +75,8 @@ def test_prompt_batch_k_is_a_function_of_seed_and_k():
 
 def test_serve_from_points_the_env_at_any_batch(tiny_data_dir, tiny_model_dir):
     """Building the env and its collector draws prompts; serve_from drops them (step 1 trains batch 0)."""
-    from grpo.envs import GSM8KTaskEnv
-    from grpo.models import load_tokenizer
+    from grpo.tasks.envs import GSM8KTaskEnv
+    from grpo.training.models import load_tokenizer
 
     env = GSM8KTaskEnv(dataset=str(tiny_data_dir), split="train", tokenizer=load_tokenizer(str(tiny_model_dir)),
                        repeats=2, num_envs=6, seed=0)

@@ -1,11 +1,11 @@
-"""grpo/decoding.py: the decode loop samples what transformers would, with the trainer's log-probs."""
+"""grpo/inference/decoding.py: the decode loop samples what transformers would, with the trainer's log-probs."""
 
 import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from grpo.decoding import ReplySampler, decode_attention, sample_tokens
-from grpo.models import load_causal_lm, load_tokenizer, stop_token_ids
+from grpo.inference.decoding import ReplySampler, decode_attention, sample_tokens
+from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 12 apples and buys 30 more. How many apples does he have now?",
              "7 + 8 = ?", "What is 100 - 1?"]

@@ -1,4 +1,4 @@
-"""grpo.devices without a GPU: ``visible_gpus`` stands in for the machine."""
+"""grpo.process.devices without a GPU: ``visible_gpus`` stands in for the machine."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from grpo import errors
-from grpo.devices import DeviceAllocation, allocate_devices
-from grpo.errors import DeviceAllocationError
+from grpo.process import errors
+from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.process.errors import DeviceAllocationError
 
 BASE = {
     "allow_cpu": False,

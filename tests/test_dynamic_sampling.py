@@ -4,7 +4,7 @@ import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
 
-from grpo.dynamic_sampling import draw_step_batch, reply_groups
+from grpo.rollout.dynamic_sampling import draw_step_batch, reply_groups
 
 REPEATS = 4
 

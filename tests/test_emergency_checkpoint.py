@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import REPO, compose_in_run_dir
-from grpo import checkpoint
-from grpo.checkpoint import list_checkpoints, load_checkpoint
-from grpo.step import GRPOStep
+from grpo.training import checkpoint
+from grpo.training.checkpoint import list_checkpoints, load_checkpoint
+from grpo.training.step import GRPOStep
 from test_checkpoint import SMALL, _same, step_rows
 
 

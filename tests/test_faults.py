@@ -26,15 +26,17 @@ import pytest
 import torch
 
 from conftest import TINY_DATA, compose
-from grpo import checkpoint, envs
-from grpo.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
-from grpo.config import validate_config
-from grpo.envs import PromptLengthBound, check_prompt_lengths, load_splits, prompt_token_counts, task_system_prompt
-from grpo.errors import CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout
-from grpo.logger import RunLogger, read_metrics
-from grpo.models import load_tokenizer
-from grpo.setup import RunDirClaim
-from grpo.user_rewards import load_reward_function
+from grpo.training import checkpoint
+from grpo.training.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
+from grpo.process.config import validate_config
+from grpo.tasks import prompt_checks
+from grpo.tasks.envs import load_splits, task_system_prompt
+from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, prompt_token_counts
+from grpo.process.errors import CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout
+from grpo.loop.logger import RunLogger, read_metrics
+from grpo.training.models import load_tokenizer
+from grpo.process.setup import RunDirClaim
+from grpo.tasks.user_rewards import load_reward_function
 from test_checkpoint import SMALL, _save, _trained, grpo_cmd, step_rows
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture
 from test_step import make_step, setup  # noqa: F401 - setup is a fixture
@@ -148,7 +150,7 @@ def test_a_row_that_would_forge_chat_turns_is_refused(script, tmp_path, tiny_dat
     (4 <|im_start|> where the template makes 3): any row could forge turns."""
     import json
 
-    from grpo.errors import DataError
+    from grpo.process.errors import DataError
 
     data = tmp_path / "data"
     data.mkdir()
@@ -166,7 +168,7 @@ def test_a_row_that_would_forge_chat_turns_is_refused(script, tmp_path, tiny_dat
 def test_resume_that_changes_the_runs_meaning_is_refused_unless_allowed(script, tmp_path):  # noqa: F811
     """A larger train.total_steps made the cosine lr jump 5x (3.0e-5 at step 10 -> 1.49e-4 at step 11); another
     env.dataset made the prompt stream index a different file. Both were accepted silently."""
-    from grpo.errors import ResumeError
+    from grpo.process.errors import ResumeError
 
     train(script, tmp_path, "train.total_steps=2", "optimizer.schedule=cosine")
     with pytest.raises(ResumeError, match=r"train.total_steps=2 -> 4.*resume_allow_changes=true"):
@@ -183,9 +185,9 @@ def test_resume_that_changes_the_runs_meaning_is_refused_unless_allowed(script, 
 def test_a_full_disk_during_export_leaves_no_partial_folder_and_one_line(tmp_path, monkeypatch, tiny_model_dir):
     import transformers
 
-    from grpo.errors import ExportError
+    from grpo.process.errors import ExportError
     from grpo.export import export_model
-    from grpo.models import load_causal_lm, load_tokenizer
+    from grpo.training.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
     model = load_causal_lm(str(tiny_model_dir), tok, dtype=torch.float32, device=torch.device("cpu"))
@@ -370,7 +372,7 @@ def test_the_prompt_length_check_refuses_a_long_row_of_a_large_file_tokenising_o
     cfg = compose("grpo_tiny", [f"env.dataset={tmp_path}"])
     tokenizer = load_tokenizer(cfg.model.name)
     counted = []
-    monkeypatch.setattr(envs, "prompt_token_counts", lambda tok, system, prompts: counted.extend(prompts) or
+    monkeypatch.setattr(prompt_checks, "prompt_token_counts", lambda tok, system, prompts: counted.extend(prompts) or
                         prompt_token_counts(tok, system, prompts))
     exact = prompt_token_counts(tokenizer, task_system_prompt(cfg), [json.loads(rows[13_579])["question"]])[0]
     with pytest.raises(DataError, match=rf"split 'train' row 13579: its prompt is {exact} tokens .* exceeds "

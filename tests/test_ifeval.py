@@ -1,5 +1,5 @@
-"""Tests for grpo/ifeval.py and grpo/ifeval_env.py: strict/loose evaluation, the reward, loading rows through
-grpo.data.load_split, and the TorchRL env and transform. No network, no nltk data."""
+"""Tests for grpo/tasks/ifeval.py and grpo/tasks/ifeval_env.py: strict/loose evaluation, the reward, loading rows through
+grpo.tasks.data.load_split, and the TorchRL env and transform. No network, no nltk data."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-from grpo.errors import ConfigError, DataError, clear_errors
-from grpo.ifeval import (
+from grpo.process.errors import ConfigError, DataError, clear_errors
+from grpo.tasks.ifeval import (
     DEFAULT_REWARD_WEIGHTS,
     IFEvalResult,
     evaluate_response,
@@ -20,7 +20,7 @@ from grpo.ifeval import (
     load_ifeval_rows,
     loose_variants,
 )
-from grpo.ifeval_env import IFEvalReward, make_ifeval_env
+from grpo.tasks.ifeval_env import IFEvalReward, make_ifeval_env
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "ifeval_tiny"
@@ -335,7 +335,7 @@ def test_the_checker_sees_the_reply_a_user_reward_sees_every_trailing_special_to
     a user reward function in the same run read it without them."""
     from torchrl.envs.llm import IFEvalEnv
 
-    from grpo.rewards import special_tokens, strip_trailing_special_tokens
+    from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
 
     env = IFEvalEnv(dataset=str(DATA), shuffle=False, seed=0, num_envs=2, tokenizer=tokenizer, compute_reward=False)
     env.append_transform(IFEvalReward(tokenizer=tokenizer))

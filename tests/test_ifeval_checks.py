@@ -1,12 +1,12 @@
-"""Tests for grpo/ifeval_checks.py: every instruction checker (with parity against TorchRL's
+"""Tests for grpo/tasks/ifeval_checks.py: every instruction checker (with parity against TorchRL's
 where that one is deterministic and offline), the registry and row validation."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.errors import DataError
-from grpo.ifeval_checks import REGISTRY, SUPPORTED_INSTRUCTION_IDS, check_instruction, validate_rows
+from grpo.process.errors import DataError
+from grpo.tasks.ifeval_checks import REGISTRY, SUPPORTED_INSTRUCTION_IDS, check_instruction, validate_rows
 
 LT, AL = "less than", "at least"
 

@@ -1,11 +1,11 @@
-"""Tests for grpo/ifeval_text.py: the offline sentence splitter, word tokens and language detection."""
+"""Tests for grpo/tasks/ifeval_text.py: the offline sentence splitter, word tokens and language detection."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo import ifeval_text
-from grpo.ifeval_text import count_sentences, split_sentences, word_tokens
+from grpo.tasks import ifeval_text
+from grpo.tasks.ifeval_text import count_sentences, split_sentences, word_tokens
 
 
 @pytest.mark.parametrize(

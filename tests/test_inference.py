@@ -1,18 +1,18 @@
-"""grpo/inference.py: generation options through TorchRL's wrapper, and generation on the training
+"""grpo/inference/engine.py: generation options through TorchRL's wrapper, and generation on the training
 model object itself staying correct while it trains."""
 
 import pytest
 import torch
 
 from conftest import compose, perturbed, reply_log_probs
-from grpo.batch import to_training_batch
-from grpo.envs import make_collector, make_env
-from grpo.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
-from grpo.decoding import ReplySampler
-from grpo.inference import TransformersInference, make_transformers_policy
-from grpo.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
-from grpo.setup import resolve_local_paths
-from grpo.step import train_mode_if
+from grpo.training.batch import to_training_batch
+from grpo.tasks.envs import make_collector, make_env
+from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
+from grpo.inference.decoding import ReplySampler
+from grpo.inference.engine import TransformersInference, make_transformers_policy
+from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
+from grpo.process.setup import resolve_local_paths
+from grpo.training.step import train_mode_if
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""grpo/logger.py: the metrics file survives as rows are written; the profiler writes its files; replies
+"""grpo/loop/logger.py: the metrics file survives as rows are written; the profiler writes its files; replies
 to read come out of real rollouts with their prompts and rewards."""
 
 import gzip
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from conftest import compose
-from grpo.decoding import ReplySampler
-from grpo.envs import load_gsm8k, make_collector, make_env
-from grpo.generation import EngineSettings, generate_kwargs
-from grpo.inference import make_transformers_policy
-from grpo.logger import RunLogger, profile_to, read_metrics, reply_samples
-from grpo.models import load_causal_lm, load_tokenizer, stop_token_ids
+from grpo.inference.decoding import ReplySampler
+from grpo.tasks.envs import load_gsm8k, make_collector, make_env
+from grpo.inference.generation import EngineSettings, generate_kwargs
+from grpo.inference.engine import make_transformers_policy
+from grpo.loop.logger import RunLogger, profile_to, read_metrics, reply_samples
+from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 
 def test_profile_to_writes_an_op_table_and_a_trace(tmp_path):

@@ -1,10 +1,10 @@
-"""grpo/logprobs.py: reply-token log-probs in bounded memory."""
+"""grpo/training/logprobs.py: reply-token log-probs in bounded memory."""
 
 import torch
 
-import grpo.logprobs
-from grpo.batch import trim_padding
-from grpo.logprobs import token_log_probs
+import grpo.training.logprobs
+from grpo.training.batch import trim_padding
+from grpo.training.logprobs import token_log_probs
 from test_step import setup  # noqa: F401  (the fixture: the tiny model and a dense batch of its replies)
 
 
@@ -30,7 +30,7 @@ def test_log_probs_in_chunks_equal_one_full_width_pass(setup, monkeypatch):
         lp, entropy = compute()
         ((lp * part["reply_mask"]).sum() + entropy.mean()).backward()
         results.append((lp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
-        monkeypatch.setattr(grpo.logprobs, "LOGIT_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 positions a chunk
+        monkeypatch.setattr(grpo.training.logprobs, "LOGIT_CHUNK_BYTES", 4 * model.config.vocab_size * 5)  # 5 positions a chunk
     (lp_full, ent_full, grads_full), (lp_chunked, ent_chunked, grads_chunked) = results
     assert part["input_ids"].shape[0] * width > 5 * 4  # many chunks, a partial one at the end
     torch.testing.assert_close(lp_chunked, lp_full, atol=1e-5, rtol=1e-5)

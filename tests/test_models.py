@@ -1,10 +1,10 @@
-"""grpo/models.py: loading, attention kernels, the ids that end a reply (a bad model folder: test_bad_inputs.py)."""
+"""grpo/training/models.py: loading, attention kernels, the ids that end a reply (a bad model folder: test_bad_inputs.py)."""
 
 import pytest
 import torch
 
 from conftest import compose
-from grpo.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
+from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
                          stop_token_ids)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from grpo.models import load_tokenizer
+from grpo.training.models import load_tokenizer
 
 IM_END = "<|im_end|>"
 

@@ -1,6 +1,6 @@
 import pytest
 
-from grpo.rewards import is_well_formatted, numbers_match, parse_number, reference_answer
+from grpo.tasks.rewards import is_well_formatted, numbers_match, parse_number, reference_answer
 
 
 @pytest.mark.parametrize("text, value", [
@@ -66,7 +66,7 @@ TINY_REF = "3 + 5 = 8\n#### 8"
 
 @pytest.fixture(scope="module")
 def tiny_tok(tiny_model_dir):
-    from grpo.models import load_tokenizer
+    from grpo.training.models import load_tokenizer
 
     return load_tokenizer(str(tiny_model_dir))  # ChatML: <|im_end|> = eos, <|endoftext|> = pad, both special
 
@@ -119,7 +119,7 @@ SCORING_CASES = [
 @pytest.mark.parametrize("mode", ["tag", "flexible"])
 @pytest.mark.parametrize("reply, tag_expected, last_expected", SCORING_CASES)
 def test_answer_extraction_scoring(tiny_tok, mode, reply, tag_expected, last_expected):
-    from grpo.rewards import GSM8KReward
+    from grpo.tasks.rewards import GSM8KReward
 
     reward_value, success, answer = tag_expected if mode == "tag" else last_expected
     got = _one(GSM8KReward(tiny_tok, answer_extraction=mode, format_reward=0.1), reply)
@@ -139,7 +139,7 @@ def test_answer_extraction_scoring(tiny_tok, mode, reply, tag_expected, last_exp
     ("1,2 or 12?", "#### 12", True),
 ])
 def test_flexible_reads_numbers_with_dollars_and_commas(tiny_tok, reply, reference, correct):
-    from grpo.rewards import GSM8KReward
+    from grpo.tasks.rewards import GSM8KReward
 
     got = _one(GSM8KReward(tiny_tok, answer_extraction="flexible"), reply, reference)
     assert got["success"] is correct
@@ -148,8 +148,8 @@ def test_flexible_reads_numbers_with_dollars_and_commas(tiny_tok, reply, referen
 
 
 def test_special_tokens_with_digits_never_count(tiny_model_dir):
-    from grpo.models import load_tokenizer
-    from grpo.rewards import GSM8KReward, special_tokens
+    from grpo.training.models import load_tokenizer
+    from grpo.tasks.rewards import GSM8KReward, special_tokens
 
     tok = load_tokenizer(str(tiny_model_dir))
     tok.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_7|>"]})
@@ -164,7 +164,7 @@ def test_special_tokens_with_digits_never_count(tiny_model_dir):
 
 
 def test_batch_and_think_outputs(tiny_tok):
-    from grpo.rewards import GSM8KReward
+    from grpo.tasks.rewards import GSM8KReward
 
     replies = ["3 + 5 = 8", "<think>3 + 5</think><answer>8</answer>", "no", "<think>5 + 3 = 8</think> 8<|im_end|>"]
     refs = [TINY_REF, TINY_REF, TINY_REF, "#### 8"]
@@ -179,7 +179,7 @@ def test_batch_and_think_outputs(tiny_tok):
 
 @pytest.mark.parametrize("bad", ["last_number", "TAG", "", None])
 def test_bad_answer_extraction_is_refused(tiny_tok, bad):
-    from grpo.rewards import GSM8KReward
+    from grpo.tasks.rewards import GSM8KReward
 
     with pytest.raises(ValueError, match=r"reward\.answer_extraction.*'flexible'.*'strict'.*'tag'"):
         GSM8KReward(tiny_tok, answer_extraction=bad)
@@ -194,12 +194,12 @@ def test_env_reward_follows_answer_extraction(mode, rewards, answered):
     from conftest import compose
     from torchrl.data.llm import History
 
-    import grpo.setup
-    from grpo.envs import make_env
-    from grpo.models import load_tokenizer
+    import grpo.process.setup
+    from grpo.tasks.envs import make_env
+    from grpo.training.models import load_tokenizer
 
     cfg = compose("grpo_tiny", [f"reward.answer_extraction={mode}"])
-    grpo.setup.resolve_local_paths(cfg)
+    grpo.process.setup.resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     env = make_env(cfg, tok, split="test", repeats=2, num_envs=4, shuffle=False)
     td = env.reset()
@@ -241,7 +241,7 @@ FINAL_ANSWER_CASES = [
 
 @pytest.mark.parametrize("reply, expected", FINAL_ANSWER_CASES)
 def test_strict_and_flexible_answers(tiny_tok, reply, expected):
-    from grpo.rewards import GSM8KReward
+    from grpo.tasks.rewards import GSM8KReward
 
     for mode in ("strict", "flexible"):
         got = _one(GSM8KReward(tiny_tok, answer_extraction=mode), reply, "#### 8")
@@ -251,7 +251,7 @@ def test_strict_and_flexible_answers(tiny_tok, reply, expected):
 
 
 def test_boxed_thousands_in_latex(tiny_tok):
-    from grpo.rewards import GSM8KReward
+    from grpo.tasks.rewards import GSM8KReward
 
     got = _one(GSM8KReward(tiny_tok, answer_extraction="strict"), "So \\boxed{1{,}208}", "#### 1208")
     assert got["success"] is True

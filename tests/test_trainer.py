@@ -1,4 +1,4 @@
-"""grpo/trainer.py: the learning-rate schedule, and what the trainer counts around an update."""
+"""grpo/training/trainer.py: the learning-rate schedule, and what the trainer counts around an update."""
 
 import math
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import compose
-from grpo.models import load_policy_model, load_tokenizer
-from grpo.trainer import Trainer, make_optimizer, make_scheduler
+from grpo.training.models import load_policy_model, load_tokenizer
+from grpo.training.trainer import Trainer, make_optimizer, make_scheduler
 
 
 def lrs(schedule: str, steps: int, total: int) -> list[float]:

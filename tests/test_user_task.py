@@ -13,12 +13,13 @@ import torch
 from torchrl.data.llm import History
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose
-from grpo.config import validate_config
-from grpo.decoding import ReplySampler
-from grpo.envs import check_prompt_lengths, load_splits, make_env
-from grpo.errors import DataError
-from grpo.inference import make_transformers_policy
-from grpo.models import load_policy_model, load_tokenizer
+from grpo.process.config import validate_config
+from grpo.inference.decoding import ReplySampler
+from grpo.tasks.envs import load_splits, make_env
+from grpo.tasks.prompt_checks import check_prompt_lengths
+from grpo.process.errors import DataError
+from grpo.inference.engine import make_transformers_policy
+from grpo.training.models import load_policy_model, load_tokenizer
 
 EXAMPLE = REPO / "examples" / "my_task"
 ROWS = [{"prompt": "What is 2 + 3?", "answer": 5, "level": 1},

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.errors import ConfigError
-from grpo.generation import EngineSettings, InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
-from grpo.vllm_backend import (
+from grpo.process.errors import ConfigError
+from grpo.inference.generation import EngineSettings, InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
+from grpo.inference.vllm_backend import (
     check_vllm_available,
     check_vllm_model_shape,
     configure_vllm_env,
@@ -283,7 +283,7 @@ def test_push_weights_merges_lora(llm, hf_model, sequences):
 
 # ----------------------------------------------------------------------------- trainer glue
 def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
-    """grpo.inference.make_inference(backend=vllm): policies, eval policy, weight pushes.
+    """grpo.inference.engine.make_inference(backend=vllm): policies, eval policy, weight pushes.
 
     Starts a second in-process engine (~2 s); takes ``llm`` only so that it runs while the
     shared engine is alive, as it would next to a trainer's other engine."""
@@ -291,11 +291,11 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
     from conftest import compose
     from tensordict import set_list_to_stack
 
-    from grpo.inference import make_inference
+    from grpo.inference.engine import make_inference
 
     cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm",
                                 "inference_model.max_new_tokens=6", "eval.max_new_tokens=5"])
-    from grpo.models import stop_token_ids
+    from grpo.training.models import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer, hf_model.generation_config)
     inf = make_inference(EngineSettings.from_config(cfg), hf_model, tokenizer, device=torch.device("cpu"),
@@ -324,8 +324,8 @@ def test_vllm_engine_checksum_is_read_back_from_the_engine_and_follows_a_push(mo
     (on CPU through its packed GEMM kernels), so a push that changed nothing would not pass."""
     from conftest import compose, perturbed
 
-    from grpo.inference import make_inference
-    from grpo.models import stop_token_ids
+    from grpo.inference.engine import make_inference
+    from grpo.training.models import stop_token_ids
 
     cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm"])
     inf = make_inference(EngineSettings.from_config(cfg), None, tokenizer, device=torch.device("cpu"),

@@ -7,14 +7,14 @@ import math
 
 import torch
 
-from grpo import checkpoint as ckpt
-from grpo.logprobs import ReplyLogProbs
-from grpo.step import GRPOSettings, GRPOStep
-from grpo.world import World
+from grpo.training import checkpoint as ckpt
+from grpo.training.logprobs import ReplyLogProbs
+from grpo.training.step import GRPOSettings, GRPOStep
+from grpo.process.world import World
 
 
 class Trainer:
-    """``update(rollouts, step)``: one GRPO step (grpo.step) on a batch of whole groups.
+    """``update(rollouts, step)``: one GRPO step (grpo.training.step) on a batch of whole groups.
 
     ``policy_version`` counts optimiser steps: the version of the weights an engine generates with.
     ``completed_step`` / ``completed_rng``: the last GRPO step whose update finished, and the RNG states

@@ -1,8 +1,8 @@
 """IFEval as a GRPO task, its data and scoring: rows, strict/loose evaluation, the reward of one reply.
-The TorchRL side (the reward transform and the env) is in :mod:`grpo.ifeval_env`.
+The TorchRL side (the reward transform and the env) is in :mod:`grpo.tasks.ifeval_env`.
 
-Rows load through :func:`grpo.data.load_split`, like every task's data, and are validated by
-:func:`grpo.ifeval_checks.validate_rows`. Evaluation follows the IFEval paper / reference
+Rows load through :func:`grpo.tasks.data.load_split`, like every task's data, and are validated by
+:func:`grpo.tasks.ifeval_checks.validate_rows`. Evaluation follows the IFEval paper / reference
 implementation (strict and loose, prompt- and instruction-level accuracy); deliberate
 differences are listed in ``docs/ifeval.md``. The accuracy names follow TorchRL's ``IFEvalScoreData``
 (``prompt_level_strict_acc``...).
@@ -16,10 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.data import load_split
-from grpo.errors import ConfigError, DataError
-from grpo.ifeval_checks import ROW_FIELDS, check_instruction, normalize_kwargs, validate_rows
-from grpo.rewards import is_well_formatted
+from grpo.tasks.data import load_split
+from grpo.process.errors import ConfigError, DataError
+from grpo.tasks.ifeval_checks import ROW_FIELDS, check_instruction, normalize_kwargs, validate_rows
+from grpo.tasks.rewards import is_well_formatted
 
 
 # --------------------------------------------------------------------------------------
@@ -37,7 +37,7 @@ def _normalize_row(row: dict[str, Any]) -> dict[str, Any]:
 def load_ifeval_rows(path_or_name: str | os.PathLike, split: str = "train") -> list[dict]:
     """The rows of one split, normalised (None kwargs dropped) and validated.
 
-    ``path_or_name`` is anything :func:`grpo.data.load_split` reads: a jsonl/parquet/csv file,
+    ``path_or_name`` is anything :func:`grpo.tasks.data.load_split` reads: a jsonl/parquet/csv file,
     a folder holding ``{split}.jsonl``, a ``save_to_disk`` folder, or a hub name such as
     ``google/IFEval``. Every problem is a :class:`DataError` naming the data set, the split
     and, for a bad row, its index, key and instruction.

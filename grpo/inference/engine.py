@@ -1,5 +1,5 @@
 """Generation with transformers: TorchRL's wrapper for rollouts and eval, weight pushes, and the
-choice of engine (``inference_model.backend``: this one, or ``grpo.vllm_backend``)."""
+choice of engine (``inference_model.backend``: this one, or ``grpo.inference.vllm_backend``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import torch
 from torchrl.modules.llm import TransformersWrapper
 
-from grpo.decoding import ReplySampler
-from grpo.generation import EngineSettings, InferenceEngine, generate_kwargs, inference_state_dict, weights_checksum
-from grpo.models import load_causal_lm, torch_dtype
+from grpo.inference.decoding import ReplySampler
+from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, inference_state_dict, weights_checksum
+from grpo.training.models import load_causal_lm, torch_dtype
 
 
 def make_inference(settings: EngineSettings, policy_model, tokenizer, device: torch.device,
@@ -19,13 +19,13 @@ def make_inference(settings: EngineSettings, policy_model, tokenizer, device: to
     ``None`` (a rollout worker, sent its weights later) with those of the ``settings.model_name`` files."""
     if settings.backend == "transformers":
         return TransformersInference(settings, policy_model, tokenizer, device, stop_ids)
-    from grpo.vllm_backend import VLLMInference
+    from grpo.inference.vllm_backend import VLLMInference
 
     return VLLMInference(settings, policy_model, tokenizer, device, stop_ids)
 
 
 class TransformersInference:
-    """Generation with transformers models and our decode loop (``grpo.decoding``): an ``InferenceEngine``.
+    """Generation with transformers models and our decode loop (``grpo.inference.decoding``): an ``InferenceEngine``.
 
     When generation runs on the training device in the same dtype, it uses the training model
     object itself, so updated weights are seen at once and a push costs nothing. Otherwise it loads
@@ -74,7 +74,7 @@ class TransformersInference:
 
 class GeneratingWrapper(TransformersWrapper):
     """TorchRL's transformers wrapper around a ``ReplySampler``, whose ``generate`` returns the sampled
-    tokens' log-probs where ``model.generate`` returns full-vocabulary logits (``grpo.decoding``)."""
+    tokens' log-probs where ``model.generate`` returns full-vocabulary logits (``grpo.inference.decoding``)."""
 
     def forward(self, tensordict, *args, **kwargs):
         out = super().forward(tensordict, *args, **kwargs)

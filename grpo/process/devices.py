@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from grpo.errors import DeviceAllocationError
+from grpo.process.errors import DeviceAllocationError
 
 ROLES = ("train", "ref", "inference")
 

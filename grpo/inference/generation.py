@@ -42,7 +42,7 @@ class EngineSettings:
 @runtime_checkable
 class InferenceEngine(Protocol):
     """A generation engine as the scripts, eval and rollout workers use it, whatever its backend
-    (``grpo.inference.TransformersInference``, ``grpo.vllm_backend.VLLMInference``).
+    (``grpo.inference.engine.TransformersInference``, ``grpo.inference.vllm_backend.VLLMInference``).
 
     ``policy`` samples rollouts and ``greedy_policy`` evaluates: TorchRL policies taking chat histories
     and returning replies with their sampled tokens' log-probs. ``version`` is the weights version last

@@ -8,8 +8,8 @@ import torch
 from torchrl.data.llm import History
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.data import looks_local
-from grpo.errors import ModelLoadError
+from grpo.tasks.data import looks_local
+from grpo.process.errors import ModelLoadError
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
@@ -113,7 +113,7 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
     """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing.
 
     It stays in eval mode (no dropout: the ratio pi_theta / pi_old must be 1 before any update);
-    ``GRPOStep.optimize`` (grpo.step) switches it to train mode only while it optimises, because
+    ``GRPOStep.optimize`` (grpo.training.step) switches it to train mode only while it optimises, because
     HF checkpoints activations only in train mode and, in train mode, ``generate`` drops its KV
     cache (a one-GPU run generates with this very object: it crashed, on CPU it produced garbage).
     """

@@ -1,6 +1,6 @@
 """Async GRPO's rollout workers: Ray actors that generate the prompt batches the trainer assigns.
 
-The trainer owns the prompt stream (a ``grpo.data.PromptLedger``) and hands each worker batch
+The trainer owns the prompt stream (a ``grpo.tasks.data.PromptLedger``) and hands each worker batch
 indices; a worker builds batch ``k`` of the stream by index, generates ``env.num_envs`` replies
 (complete GRPO groups) with the latest weights it was sent, and returns them stamped with that
 weights version. At most ``train.buffer_size`` batches are assigned beyond one per worker, so
@@ -26,12 +26,12 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import lazy_stack
 
-from grpo.data import PromptLedger, serve_from
-from grpo.errors import UserError
-from grpo.generation import EngineSettings, inference_state_dict, tensor_place, weights_checksum
-from grpo.models import torch_dtype
-from grpo.setup import ray_pythonpath
-from grpo.user_rewards import take_reward_seconds
+from grpo.tasks.data import PromptLedger, serve_from
+from grpo.process.errors import UserError
+from grpo.inference.generation import EngineSettings, inference_state_dict, tensor_place, weights_checksum
+from grpo.training.models import torch_dtype
+from grpo.process.setup import ray_pythonpath
+from grpo.tasks.user_rewards import take_reward_seconds
 
 GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s")
 
@@ -42,10 +42,10 @@ class RolloutWorker:
                  checksum: int):
         from tensordict import set_list_to_stack
 
-        from grpo.envs import make_collector, make_env
-        from grpo.inference import make_inference
-        from grpo.models import configure_attention_kernels, load_tokenizer
-        from grpo.setup import seed_everything
+        from grpo.tasks.envs import make_collector, make_env
+        from grpo.inference.engine import make_inference
+        from grpo.training.models import configure_attention_kernels, load_tokenizer
+        from grpo.process.setup import seed_everything
 
         set_list_to_stack(True).set()
         cfg = OmegaConf.create(cfg_dict)
@@ -163,7 +163,7 @@ class RolloutPool:
         self.taken = []
 
     def after_update(self, policy_model, version: int) -> dict:
-        """A push every ``train.weight_update_frequency`` optimiser steps (``grpo.local_rollouts``: what a
+        """A push every ``train.weight_update_frequency`` optimiser steps (``grpo.rollout.local_rollouts``: what a
         rollout source does)."""
         if version - self.pushed_version < self.cfg.train.weight_update_frequency:
             return {}

@@ -1,6 +1,6 @@
 """The data-parallel world a trainer rank lives in: its rank, how many ranks train, and the few
 collectives the GRPO step needs. One process is a world of one, where every collective is the
-identity, so the step reads the same on one rank or many (``grpo/step.py``).
+identity, so the step reads the same on one rank or many (``grpo/training/step.py``).
 
 Every rank holds the whole step's batch (a few MB of token ids) and trains on rows ``rank::size``
 of each micro-batch, cut from the minibatch the same way on every rank: the ranks then run the same

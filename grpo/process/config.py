@@ -7,10 +7,10 @@ import warnings
 
 from omegaconf import OmegaConf
 
-from grpo.envs import TASKS
-from grpo.errors import ConfigError
-from grpo.rewards import ANSWER_EXTRACTIONS
-from grpo.user_rewards import parse_spec
+from grpo.tasks.envs import TASKS
+from grpo.process.errors import ConfigError
+from grpo.tasks.rewards import ANSWER_EXTRACTIONS
+from grpo.tasks.user_rewards import parse_spec
 
 VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

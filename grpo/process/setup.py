@@ -18,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
-from grpo.errors import ConfigError, clear_errors
+from grpo.process.errors import ConfigError, clear_errors
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def hydra_main(train) -> None:

@@ -11,11 +11,11 @@ tensordict and build the chat history; :class:`IFEvalReward` reads exactly those
 so it can be appended to an ``IFEvalEnv(..., compute_reward=False)``.
 :func:`make_ifeval_env` is an ``IFEvalEnv`` whose loader validates the rows first.
 
-*Replaced*: the checkers (:mod:`grpo.ifeval_checks` says why) and the scorer transform.
+*Replaced*: the checkers (:mod:`grpo.tasks.ifeval_checks` says why) and the scorer transform.
 ``IfEvalScorer`` scores only the text inside ``<answer>`` (an untagged response is scored as
 ``""`` and fails everything), supports only history mode, and its reward weights are a list;
 the format bonus is fixed. :class:`IFEvalReward` checks the ``<answer>`` block when present
-and the whole response otherwise (:func:`grpo.ifeval.ifeval_reward`), supports history/text/tokens
+and the whole response otherwise (:func:`grpo.tasks.ifeval.ifeval_reward`), supports history/text/tokens
 modes and takes its weights as a plain dict (Hydra friendly).
 """
 
@@ -32,10 +32,10 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 from torchrl.envs.llm import IFEvalEnv
 
-from grpo.data import StreamLoader
-from grpo.ifeval import ACCURACY_KEYS, ifeval_reward, load_ifeval_rows, resolve_weights
-from grpo.ifeval_checks import normalize_kwargs
-from grpo.rewards import special_tokens, strip_trailing_special_tokens
+from grpo.tasks.data import StreamLoader
+from grpo.tasks.ifeval import ACCURACY_KEYS, ifeval_reward, load_ifeval_rows, resolve_weights
+from grpo.tasks.ifeval_checks import normalize_kwargs
+from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
 
 
 def _python_list(value: Any) -> list:
@@ -83,7 +83,7 @@ class IFEvalReward(Transform):
         self.kwargs_key = kwargs_key
         if eos_token is None and tokenizer is not None:
             eos_token = tokenizer.eos_token
-        # the reply a user reward function sees too (grpo.user_rewards): every trailing special token cut
+        # the reply a user reward function sees too (grpo.tasks.user_rewards): every trailing special token cut
         specials = set(special_tokens(tokenizer)) | ({eos_token} if eos_token else set())
         self.specials = tuple(sorted(specials, key=len, reverse=True))
         self._input_mode = input_mode

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo.batch import final_rewards, group_ids, through_first_stop
+from grpo.training.batch import final_rewards, group_ids, through_first_stop
 
 # metrics.png: one panel per entry, its metrics as lines (eval rows as markers). Held-out accuracy sits beside
 # its strict and flexible forms, and reply length and truncation beside their eval values, so a recipe

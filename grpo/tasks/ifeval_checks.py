@@ -5,7 +5,7 @@ usable as a training reward:
 
 1. ``length_constraints:number_sentences`` and ``change_case:capital_word_frequency`` call
    nltk's punkt model, which needs the ``punkt_tab`` data at run time. Here they use the
-   offline splitter and word tokenizer of :mod:`grpo.ifeval_text`.
+   offline splitter and word tokenizer of :mod:`grpo.tasks.ifeval_text`.
 2. Missing kwargs are silently replaced by *random* values (thresholds, relations,
    keywords), and the scorer drops every falsy kwarg (``if v``), so ``0`` also becomes
    random; ``keywords:letter_frequency`` replaces any ``letter`` that is not ``a-z`` by a
@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from grpo.errors import DataError
-from grpo.ifeval_text import count_sentences, count_words, is_language, supported_languages, word_tokens
+from grpo.process.errors import DataError
+from grpo.tasks.ifeval_text import count_sentences, count_words, is_language, supported_languages, word_tokens
 
 
 # --------------------------------------------------------------------------------------

@@ -72,9 +72,9 @@ from tensordict import NonTensorData, TensorDictBase
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Compose, Transform
 
-from grpo.errors import ConfigError, RewardTimeout
-from grpo.rewards import special_tokens, strip_trailing_special_tokens
-from grpo.setup import REPO_ROOT
+from grpo.process.errors import ConfigError, RewardTimeout
+from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
+from grpo.process.setup import REPO_ROOT
 
 FIXED_ARGUMENTS = ("prompt", "reply")  # every call offers these; "answer" too when env.answer_key is set
 

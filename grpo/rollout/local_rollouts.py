@@ -1,7 +1,7 @@
 """Sync rollouts: TorchRL's collector over the training env, generating with this process's engine.
 
 A rollout source (this one, and the Ray pool of ``ray_collectors.RolloutPool``) is what the loop of
-``grpo.run`` draws from:
+``grpo.loop.run`` draws from:
 
     next_rollouts(trainer_version)  one collection of whole groups
     commit()                        the step that took them finished: their prompts count as trained
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from grpo.data import PromptLedger, serve_from
-from grpo.user_rewards import take_reward_seconds
+from grpo.tasks.data import PromptLedger, serve_from
+from grpo.tasks.user_rewards import take_reward_seconds
 
 
 class CollectorRollouts:

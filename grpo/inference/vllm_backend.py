@@ -17,9 +17,9 @@ from functools import partial
 import torch
 from torchrl.modules.llm import vLLMWrapper
 
-from grpo.errors import ConfigError
-from grpo.generation import EngineSettings, generate_kwargs, inference_state_dict, weights_checksum
-from grpo.models import torch_dtype
+from grpo.process.errors import ConfigError
+from grpo.inference.generation import EngineSettings, generate_kwargs, inference_state_dict, weights_checksum
+from grpo.training.models import torch_dtype
 
 #: Smallest attention head size vLLM's CPU attention backend accepts.
 CPU_MIN_HEAD_SIZE = 32
@@ -194,7 +194,7 @@ def push_weights(llm, weights: dict[str, torch.Tensor]) -> float:
 
 @torch.no_grad()
 def engine_weights_checksum(model: torch.nn.Module, dtype: torch.dtype) -> int:
-    """``grpo.generation.weights_checksum`` of a vLLM model's parameters, a tied one counted once.
+    """``grpo.inference.generation.weights_checksum`` of a vLLM model's parameters, a tied one counted once.
 
     vLLM's CPU backend packs each linear layer's weight for its GEMM kernel (oneDNN or its own) and
     leaves the parameter empty; there the weight is read back through that kernel, as the product of

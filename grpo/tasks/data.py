@@ -20,7 +20,7 @@ import torch
 from torchrl.envs import Compose
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
-from grpo.errors import DataError, ResumeError
+from grpo.process.errors import DataError, ResumeError
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from tensordict import lazy_stack
 
-from grpo.batch import final_rewards, group_ids
+from grpo.training.batch import final_rewards, group_ids
 
 
 def reply_groups(rollouts) -> list[list[int]]:

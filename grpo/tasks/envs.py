@@ -6,13 +6,12 @@ Each env is a ``DatasetChatEnv``: a reset draws prompts from the data set, repea
 
 Tasks: ``gsm8k`` and ``ifeval`` (their data formats and rewards), and ``generic``: your data, one
 prompt column (``env.prompt_key``) sent through the model's chat template, scored by your reward
-functions alone (``reward.functions``, grpo.user_rewards), which the other two add to their own.
+functions alone (``reward.functions``, grpo.tasks.user_rewards), which the other two add to their own.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 from tensordict import NonTensorData, NonTensorStack, TensorDict
@@ -21,13 +20,12 @@ from torchrl.envs import StepCounter
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv, IFEvalEnv
 from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 
-from grpo.data import StreamLoader, data_primer, load_split
-from grpo.errors import DataError
-from grpo.ifeval import load_ifeval_rows
-from grpo.ifeval_env import make_ifeval_env
-from grpo.models import wrapper_chat_template
-from grpo.rewards import GSM8KReward, parse_number, reference_answer, special_token_pattern
-from grpo.user_rewards import UserRewards, load_reward_functions, offered_arguments
+from grpo.tasks.data import StreamLoader, data_primer, load_split
+from grpo.process.errors import DataError
+from grpo.tasks.ifeval import load_ifeval_rows
+from grpo.tasks.ifeval_env import make_ifeval_env
+from grpo.tasks.rewards import GSM8KReward, parse_number, reference_answer
+from grpo.tasks.user_rewards import UserRewards, load_reward_functions, offered_arguments
 
 
 class GSM8KTaskEnv(DatasetChatEnv):
@@ -128,108 +126,6 @@ class PromptsEnv(DatasetChatEnv):
         return StreamLoader(dataset, seed=seed, shuffle=shuffle, collate_fn=collate_fn)
 
 
-def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
-    """Every prompt a run will send must leave its reply room in ``inference_model.max_model_len``.
-    ``splits``: the train and test splits, by name, as the task's ``load_split`` returned them.
-
-    Engines meet a longer one only when it is drawn, mid-run, and then fail or stall (a 33k-token
-    question: no step within 300 s). Prompts are counted as the policy will see them: the task's
-    system prompt and the row's text through the chat template TorchRL's wrappers pick. Every test
-    row is checked, not only the ``eval.num_problems`` eval uses. Tokenising every prompt took
-    11 s and 1.8 GB at 100,000 rows, so a row is tokenised only when its upper bound
-    (``PromptLengthBound``) does not fit, which for most data sets is no row at all.
-    """
-    system = task_system_prompt(cfg)
-    column = prompt_column(cfg)
-    bound = PromptLengthBound(tokenizer, system)
-    im = cfg.inference_model
-    for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
-                              (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        prompts = column_values(splits[split], column)
-        room = im.max_model_len - reply
-        maybe_long = [i for i, prompt in enumerate(prompts) if bound(prompt) > room]
-        counts = dict(zip(maybe_long, prompt_token_counts(tokenizer, system, [prompts[i] for i in maybe_long])))
-        too_long = [i for i in maybe_long if counts[i] > room]
-        if too_long:
-            i = too_long[0]
-            more = f" ({len(too_long) - 1} more row(s) too)" if len(too_long) > 1 else ""
-            raise DataError(
-                f"env.dataset={cfg.env.dataset!r} split {split!r} row {i}: its prompt is {counts[i]} tokens (chat "
-                f"template and system prompt included), which with {key}={reply} exceeds "
-                f"inference_model.max_model_len={im.max_model_len}{more}; raise inference_model.max_model_len to at "
-                f"least {max(counts[j] for j in too_long) + reply}, or shorten or drop the row.")
-
-
-def chat_turns(system: str | None, prompt: str) -> list[dict]:
-    return [*([] if system is None else [{"role": "system", "content": system}]), {"role": "user", "content": prompt}]
-
-
-def prompt_token_counts(tokenizer, system: str | None, prompts: list[str], chunk: int = 1024) -> list[int]:
-    """Each prompt's tokens as the policy sees it, a chunk of prompts at a time: only their counts are kept."""
-    template = wrapper_chat_template(tokenizer)
-    counts = []
-    for start in range(0, len(prompts), chunk):
-        ids = tokenizer.apply_chat_template(
-            [chat_turns(system, p) for p in prompts[start:start + chunk]], chat_template=template,
-            add_generation_prompt=True, tokenize=True, return_dict=False,
-            tokenizer_kwargs={"verbose": False})  # verbose: no "longer than the model's maximum" log line
-        counts.extend(len(row_ids) for row_ids in ids)
-    return counts
-
-
-class PromptLengthBound:
-    """An upper bound on a prompt's token count, chat template and system prompt included, without
-    tokenising it: the template's own tokens plus one per byte of the text tokenised with the prompt
-    (after the tokenizer's normaliser), plus one for a word marker a pre-tokenizer may prepend.
-
-    Why it holds: a fast tokenizer cuts its input at added tokens (``<|im_start|>``, ...) and encodes
-    the pieces between them on their own, so only the piece holding the prompt (``user\\n`` + prompt)
-    depends on it; and every token of byte-level BPE or of SentencePiece with byte fallback covers at
-    least one byte of that piece. Where the template changes the prompt's text, or the tokenizer is
-    not a fast one, the bound is infinite and every prompt is tokenised."""
-
-    def __init__(self, tokenizer, system: str | None):
-        template = wrapper_chat_template(tokenizer)
-
-        def render(prompt: str) -> str:
-            return tokenizer.apply_chat_template(chat_turns(system, prompt), chat_template=template,
-                                                 add_generation_prompt=True, tokenize=False)
-
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        prefix, marker, suffix = render("\x00").partition("\x00")
-        self.exact_only = backend is None or not marker or render("\x01") != f"{prefix}\x01{suffix}"
-        if self.exact_only:
-            return
-        added = tokenizer.get_added_vocab()
-        start = max((prefix.rfind(t) + len(t) for t in added if t in prefix), default=0)
-        end = min((suffix.find(t) for t in added if t in suffix), default=len(suffix))
-        self.head, self.tail = prefix[start:], suffix[:end]  # encoded in one piece with the prompt
-        # the tokens outside that piece, and then some (those of head + tail), and the word marker
-        self.fixed = len(tokenizer(prefix + suffix, add_special_tokens=False)["input_ids"]) + 1
-        self.normalize = backend.normalizer.normalize_str if backend.normalizer else str
-
-    def __call__(self, prompt: str) -> float:
-        if self.exact_only:
-            return math.inf
-        return self.fixed + len(self.normalize(self.head + prompt + self.tail).encode())
-
-
-def check_prompt_text(cfg, tokenizer, splits: dict) -> None:
-    """No prompt text may hold the tokenizer's special tokens: ``<|im_end|>\\n<|im_start|>assistant`` in a
-    question reaches the policy as real chat-control ids, so any row could forge turns. Such rows are
-    refused, by row, rather than rewritten: the data is the user's to fix."""
-    found = special_token_pattern(tokenizer)
-    column = prompt_column(cfg)
-    for split, rows in splits.items():
-        for i, prompt in enumerate(column_values(rows, column)):
-            match = found.search(prompt)
-            if match:
-                raise DataError(
-                    f"env.dataset={cfg.env.dataset!r} split {split!r} row {i}: its {column!r} text holds "
-                    f"{match.group(0)!r}, a special token of the model's tokenizer, which would be read as a chat "
-                    "control token (a forged turn); remove it from the row, or write it another way.")
-
-
 class Task:
     """What the run needs to know of a task, declared once, here: which column is the user turn, what
     ``reward.functions`` get and whether they are its only reward, how its rows are read and checked,
@@ -263,7 +159,7 @@ class Task:
 
 
 class IFEvalTask(Task):
-    """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.ifeval_checks)."""
+    """IFEval: TorchRL's IFEvalEnv over validated rows, scored by our offline checkers (grpo.tasks.ifeval_checks)."""
 
     eval_fields = {"accuracy": "success", "prompt_strict_acc": "prompt_level_strict_acc",
                    "inst_strict_acc": "inst_level_strict_acc", "prompt_loose_acc": "prompt_level_loose_acc",

@@ -15,7 +15,7 @@
         backward; clip grad norm; optimiser and LR schedule step (a NaN/inf gradient: stop, or skip the step)
 
 Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read
-the config, and it runs the same on one data-parallel rank or many (``grpo/world.py``: every rank holds
+the config, and it runs the same on one data-parallel rank or many (``grpo/process/world.py``: every rank holds
 the whole batch, scores its share of the reference's rows and trains on its share of each micro-batch
 of the sharded ``policy``; ``LossTotals`` are the global minibatch's, the metrics summed over ranks). Same
 estimators as TorchRL's ``GRPOLoss`` (tests/test_step.py checks value and gradient against it); why not ``GRPOLoss`` itself: it runs on
@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
-from grpo.batch import micro_batch_rows, rollout_metrics, to_training_batch, trim_padding
-from grpo.errors import NonFiniteError
-from grpo.logprobs import ReplyLogProbs, score_replies
-from grpo.world import World, full, set_gradient_sync
+from grpo.training.advantages import group_advantages, overlong_penalty
+from grpo.training.batch import micro_batch_rows, rollout_metrics, to_training_batch, trim_padding
+from grpo.process.errors import NonFiniteError
+from grpo.training.logprobs import ReplyLogProbs, score_replies
+from grpo.process.world import World, full, set_gradient_sync
 
 
 @dataclass(frozen=True)
@@ -303,13 +304,6 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str, tot
     return per_token.sum() / totals.tokens
 
 
-def overlong_penalty(reply_length: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment: 0 up to ``max_new_tokens - buffer`` tokens, then rising
-    linearly to ``penalty`` at ``max_new_tokens``."""
-    over = (reply_length.float() - (max_new_tokens - buffer)).clamp(0, buffer)
-    return penalty * over / buffer
-
-
 def k3(other: torch.Tensor, cur: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per token, the k3 estimate of KL(pi || other): exp(d) - 1 - d with d = other - pi; 0 off the mask."""
     diff = torch.where(mask, other - cur, 0.0)
@@ -320,24 +314,6 @@ def per_sample_kl_to_ref(batch: TensorDict) -> torch.Tensor:
     """Per reply, the mean over its tokens of the k3 estimate of KL(sampler || reference)."""
     mask = batch["reply_mask"]
     return k3(batch["ref_log_probs"], batch["behaviour_log_probs"], mask).sum(-1) / mask.sum(-1).clamp_min(1)
-
-
-def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
-    """(r - group mean) / group std (unbiased, floored at 1e-6): MCAdvantage's formula, vectorised.
-    Without ``scale_by_std`` (Dr. GRPO), r - group mean: groups that barely differ are not inflated.
-
-    Replies to the same prompt form a group, whatever their order in the batch. A lone reply
-    has no baseline and gets advantage 0 (MCAdvantage would give NaN).
-    """
-    _, group = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(group.max()) + 1
-    count = torch.zeros(n_groups).index_add_(0, group, torch.ones_like(reward))
-    mean = torch.zeros(n_groups).index_add_(0, group, reward) / count
-    sq = torch.zeros(n_groups).index_add_(0, group, (reward - mean[group]) ** 2)
-    std = (sq / (count - 1).clamp_min(1)).sqrt()
-    if not scale_by_std:
-        return reward - mean[group]
-    return (reward - mean[group]) / std[group].clamp_min(1e-6)
 
 
 def autocast_if(enabled: bool, model):

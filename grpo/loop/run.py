@@ -1,5 +1,5 @@
 """The run both scripts share: ``start_run`` builds its parts, ``train_loop`` drives them over a rollout
-source (``grpo.local_rollouts`` says what one does), and ``guard`` is the crash policy.
+source (``grpo.rollout.local_rollouts`` says what one does), and ``guard`` is the crash policy.
 
     start_run:  config and data checks, devices, seeds, run dir and resume, models, engine, eval, logger
     train_loop: eval; for each step: rollouts -> update -> commit -> weights to the engines -> log,
@@ -19,22 +19,23 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from grpo import checkpoint as ckpt
-from grpo.config import validate_config, warn_if_too_few_rows
-from grpo.devices import DeviceAllocation, allocate_devices
-from grpo.dynamic_sampling import draw_step_batch
-from grpo.envs import check_prompt_lengths, check_prompt_text, load_splits, make_env, task_of
-from grpo.errors import ConfigError, UserError
-from grpo.evaluation import Evaluator
-from grpo.generation import EngineSettings
-from grpo.inference import make_inference
-from grpo.logger import RunLogger, profile_to, reply_samples
-from grpo.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
+from grpo.training import checkpoint as ckpt
+from grpo.process.config import validate_config, warn_if_too_few_rows
+from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.rollout.dynamic_sampling import draw_step_batch
+from grpo.tasks.envs import load_splits, make_env, task_of
+from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
+from grpo.process.errors import ConfigError, UserError
+from grpo.loop.evaluation import Evaluator
+from grpo.inference.generation import EngineSettings
+from grpo.inference.engine import make_inference
+from grpo.loop.logger import RunLogger, profile_to, reply_samples
+from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
                          stop_token_ids)
-from grpo.records import RunRecords, checkpoint_note
-from grpo.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths, resolved_config,
+from grpo.loop.records import RunRecords, checkpoint_note
+from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths, resolved_config,
                         seed_everything, write_hydra_record)
-from grpo.trainer import Trainer
+from grpo.training.trainer import Trainer
 
 
 @dataclass

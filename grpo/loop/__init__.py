@@ -1,0 +1,1 @@
+"""The run both scripts share: start, the loop and its crash policy, evaluation, logging, what a run dir keeps."""
