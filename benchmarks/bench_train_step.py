@@ -94,10 +94,10 @@ def main(argv=None) -> None:
     from hydra import compose, initialize_config_dir
 
     from bench_vs_trl import build_random_init_model
-    from grpo.training.models import load_policy_model, load_tokenizer
-    from grpo.training.trainer import make_optimizer, make_scheduler
     from grpo.training.logprobs import ReplyLogProbs, score_replies
+    from grpo.training.models import load_policy_model, load_tokenizer
     from grpo.training.step import GRPOSettings, GRPOStep
+    from grpo.training.trainer import make_optimizer, make_scheduler
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     variants = [parse_variant(v) for v in args.variants.split(";")]

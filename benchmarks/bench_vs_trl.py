@@ -210,8 +210,8 @@ class GreedyEvaluator:
 
     def __call__(self, model) -> dict:
         from grpo.inference.decoding import ReplySampler
-        from grpo.loop.evaluation import evaluate
         from grpo.inference.engine import make_transformers_policy
+        from grpo.loop.evaluation import evaluate
         from grpo.training.models import stop_token_ids
 
         was_training = model.training
@@ -287,9 +287,9 @@ def trl_worker(spec: dict) -> None:
     from trl import GRPOConfig, GRPOTrainer
     from trl.data_utils import apply_chat_template
 
+    from grpo.process.setup import seed_everything
     from grpo.tasks.envs import GSM8KTaskEnv, load_gsm8k
     from grpo.tasks.rewards import is_well_formatted, numbers_match, reference_answer
-    from grpo.process.setup import seed_everything
     from tools.tiny_model import build_prompt
 
     seed_everything(spec["seed"])

@@ -22,11 +22,11 @@ import torch
 from omegaconf import OmegaConf
 from transformers.utils import logging as hf_logging
 
-from grpo.training import checkpoint as ckpt
-from grpo.process.errors import ExportError, clear_errors
 from grpo.inference.generation import inference_state_dict
-from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids, wrapper_chat_template
+from grpo.process.errors import ExportError, clear_errors
 from grpo.process.setup import resolve_local_paths
+from grpo.training import checkpoint as ckpt
+from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids, wrapper_chat_template
 
 
 def export_model(model, tokenizer, out_dir) -> Path:

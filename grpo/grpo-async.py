@@ -20,11 +20,11 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import ray  # noqa: E402
 
-from grpo.tasks.data import PromptLedger  # noqa: E402
 from grpo.inference.generation import inference_state_dict  # noqa: E402
-from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
 from grpo.loop.run import Run, start_run, train_loop  # noqa: E402
 from grpo.process.setup import hydra_main, ray_pythonpath  # noqa: E402
+from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
+from grpo.tasks.data import PromptLedger  # noqa: E402
 
 
 def train(cfg) -> Run:

@@ -13,11 +13,11 @@ from pathlib import Path
 # `python grpo/grpo.py` puts grpo/ first on sys.path, where this file would shadow the grpo package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from grpo.tasks.data import PromptLedger  # noqa: E402
-from grpo.tasks.envs import make_collector, make_env  # noqa: E402
-from grpo.rollout.local_rollouts import CollectorRollouts  # noqa: E402
 from grpo.loop.run import Run, start_run, train_loop  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402
+from grpo.rollout.local_rollouts import CollectorRollouts  # noqa: E402
+from grpo.tasks.data import PromptLedger  # noqa: E402
+from grpo.tasks.envs import make_collector, make_env  # noqa: E402
 
 
 def train(cfg) -> Run:

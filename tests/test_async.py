@@ -15,11 +15,11 @@ import ray
 import torch
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose
-from grpo.training.checkpoint import list_checkpoints
 from grpo.process.config import validate_config
+from grpo.process.errors import ConfigError
 from grpo.tasks.data import PromptLedger, PromptStream
 from grpo.tasks.envs import load_gsm8k
-from grpo.process.errors import ConfigError
+from grpo.training.checkpoint import list_checkpoints
 
 SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",
          "eval.frequency=0", "env.num_envs=16", "env.repeats=4", "train.dialog_turns_per_batch=16",
@@ -250,9 +250,9 @@ def test_when_restarts_run_out_the_run_checkpoints_and_says_so_in_one_line(tmp_p
 def test_pool_replaces_a_worker_killed_with_ray_kill():
     """Straight at the pool: every batch index comes out once, in order, around a ray.kill."""
     from grpo.inference.generation import inference_state_dict
-    from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
-    from grpo.rollout.ray_collectors import RolloutPool
     from grpo.process.setup import ray_pythonpath
+    from grpo.rollout.ray_collectors import RolloutPool
+    from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
     cfg = compose("grpo_tiny", SMALL + EXACT + ["train.buffer_size=1"])  # 2 batches ahead: the kill hits one
     tokenizer = load_tokenizer(str(TINY_MODEL))

@@ -16,17 +16,17 @@ import torch
 from torchrl.data.llm import History
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose, compose_in_run_dir
-from grpo.process.config import validate_config, warn_if_too_few_rows
-from grpo.tasks.envs import load_gsm8k, load_splits, make_env, task_of
-from grpo.tasks.prompt_checks import check_prompt_lengths
-from grpo.tasks.ifeval import load_ifeval_rows
-from grpo.process.errors import ConfigError, DataError, ExportError, ModelLoadError, ResumeError, UserError, clear_errors
 from grpo.export import export_checkpoint
 from grpo.inference.decoding import ReplySampler
-from grpo.inference.generation import EngineSettings
 from grpo.inference.engine import make_inference, make_transformers_policy
-from grpo.training.models import load_policy_model, load_tokenizer
+from grpo.inference.generation import EngineSettings
 from grpo.loop.run import start_run
+from grpo.process.config import validate_config, warn_if_too_few_rows
+from grpo.process.errors import ConfigError, DataError, ExportError, ModelLoadError, ResumeError, UserError, clear_errors
+from grpo.tasks.envs import load_gsm8k, load_splits, make_env, task_of
+from grpo.tasks.ifeval import load_ifeval_rows
+from grpo.tasks.prompt_checks import check_prompt_lengths
+from grpo.training.models import load_policy_model, load_tokenizer
 
 # A run small enough to build in-process in seconds (the resume and length checks run while it is built)
 SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",

@@ -4,9 +4,9 @@ from types import SimpleNamespace
 import datasets
 import pytest
 
+from grpo.process.errors import DataError, ResumeError
 from grpo.tasks.data import PromptLedger, PromptStream, data_primer, load_split, serve_from
 from grpo.tasks.envs import load_gsm8k
-from grpo.process.errors import DataError, ResumeError
 
 ROWS = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(6)]
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
-from grpo.training.checkpoint import list_checkpoints
 from grpo.tasks.data import PromptStream
 from grpo.tasks.envs import load_gsm8k
+from grpo.training.checkpoint import list_checkpoints
 
 FAST = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "logging.progress_bar=false"]
 

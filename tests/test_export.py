@@ -10,9 +10,9 @@ from torchrl.data.llm import History
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from conftest import REPO
-from grpo.training.checkpoint import list_checkpoints
-from grpo.tasks.envs import GSM8KTaskEnv
 from grpo.export import export_model
+from grpo.tasks.envs import GSM8KTaskEnv
+from grpo.training.checkpoint import list_checkpoints
 from grpo.training.models import load_causal_lm, load_tokenizer, wrapper_chat_template
 
 # prompts of the tiny task, as its env builds them: replies that end within a few tokens

@@ -26,17 +26,17 @@ import pytest
 import torch
 
 from conftest import TINY_DATA, compose
-from grpo.training import checkpoint
-from grpo.training.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
+from grpo.loop.logger import RunLogger, read_metrics
 from grpo.process.config import validate_config
+from grpo.process.errors import CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout
+from grpo.process.setup import RunDirClaim
 from grpo.tasks import prompt_checks
 from grpo.tasks.envs import load_splits, task_system_prompt
 from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, prompt_token_counts
-from grpo.process.errors import CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout
-from grpo.loop.logger import RunLogger, read_metrics
-from grpo.training.models import load_tokenizer
-from grpo.process.setup import RunDirClaim
 from grpo.tasks.user_rewards import load_reward_function
+from grpo.training import checkpoint
+from grpo.training.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
+from grpo.training.models import load_tokenizer
 from test_checkpoint import SMALL, _save, _trained, grpo_cmd, step_rows
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture
 from test_step import make_step, setup  # noqa: F401 - setup is a fixture
@@ -185,8 +185,8 @@ def test_resume_that_changes_the_runs_meaning_is_refused_unless_allowed(script, 
 def test_a_full_disk_during_export_leaves_no_partial_folder_and_one_line(tmp_path, monkeypatch, tiny_model_dir):
     import transformers
 
-    from grpo.process.errors import ExportError
     from grpo.export import export_model
+    from grpo.process.errors import ExportError
     from grpo.training.models import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))

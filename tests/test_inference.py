@@ -5,13 +5,13 @@ import pytest
 import torch
 
 from conftest import compose, perturbed, reply_log_probs
-from grpo.training.batch import to_training_batch
-from grpo.tasks.envs import make_collector, make_env
-from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import TransformersInference, make_transformers_policy
-from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
+from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
 from grpo.process.setup import resolve_local_paths
+from grpo.tasks.envs import make_collector, make_env
+from grpo.training.batch import to_training_batch
+from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
 from grpo.training.step import train_mode_if
 
 

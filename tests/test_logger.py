@@ -9,10 +9,10 @@ import torch
 
 from conftest import compose
 from grpo.inference.decoding import ReplySampler
-from grpo.tasks.envs import load_gsm8k, make_collector, make_env
-from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.inference.engine import make_transformers_policy
+from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.loop.logger import RunLogger, profile_to, read_metrics, reply_samples
+from grpo.tasks.envs import load_gsm8k, make_collector, make_env
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 

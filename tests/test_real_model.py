@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from conftest import TINY_DATA, compose
-from grpo.tasks.envs import make_collector, make_env
-from grpo.inference.generation import EngineSettings
 from grpo.inference.engine import TransformersInference
+from grpo.inference.generation import EngineSettings
+from grpo.tasks.envs import make_collector, make_env
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
-from grpo.training.trainer import make_optimizer, make_scheduler
 from grpo.training.step import GRPOSettings, GRPOStep
+from grpo.training.trainer import make_optimizer, make_scheduler
 
 MAX_NEW_TOKENS = 48
 ONE_STEP = [f"inference_model.max_new_tokens={MAX_NEW_TOKENS}", "optimizer.warmup_steps=1", "env.repeats=4",

@@ -148,8 +148,8 @@ def test_flexible_reads_numbers_with_dollars_and_commas(tiny_tok, reply, referen
 
 
 def test_special_tokens_with_digits_never_count(tiny_model_dir):
-    from grpo.training.models import load_tokenizer
     from grpo.tasks.rewards import GSM8KReward, special_tokens
+    from grpo.training.models import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
     tok.add_special_tokens({"additional_special_tokens": ["<|reserved_special_token_7|>"]})

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SHORT_RUN, compose_in_run_dir, sync_script
-from grpo.training.checkpoint import load_checkpoint
-from grpo.tasks.envs import make_collector, make_env
 from grpo.loop.logger import read_metrics
 from grpo.loop.run import start_run
+from grpo.tasks.envs import make_collector, make_env
+from grpo.training.checkpoint import load_checkpoint
 
 
 @pytest.fixture

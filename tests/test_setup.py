@@ -11,8 +11,8 @@ from statistics import mean
 import pytest
 
 from conftest import REPO
-from grpo.training.checkpoint import list_checkpoints, load_checkpoint
 from grpo.loop.logger import read_metrics
+from grpo.training.checkpoint import list_checkpoints, load_checkpoint
 
 SMALL = ["eval.num_problems=8", "eval.batch_size=8", "env.num_envs=16", "env.repeats=4",
          "train.dialog_turns_per_batch=16", "train.optim_batch_size=8", "logging.progress_bar=false"]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.process.errors import ConfigError
 from grpo.inference.generation import EngineSettings, InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
+from grpo.process.errors import ConfigError
 from grpo.inference.vllm_backend import (
     check_vllm_available,
     check_vllm_model_shape,

@@ -10,11 +10,11 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict
 
 from conftest import compose
+from grpo.process.setup import resolve_local_paths
+from grpo.process.world import World, full
 from grpo.training.batch import micro_batch_rows
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
-from grpo.process.setup import resolve_local_paths
 from grpo.training.trainer import Trainer
-from grpo.process.world import World, full
 from test_step import setup  # noqa: F401 - a fixture: rollouts of the tiny model, 2 groups of 4
 
 OVERRIDES = ["env.repeats=4", "env.num_envs=8", "train.dialog_turns_per_batch=8", "inference_model.max_new_tokens=24",

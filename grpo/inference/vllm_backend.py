@@ -17,8 +17,8 @@ from functools import partial
 import torch
 from torchrl.modules.llm import vLLMWrapper
 
-from grpo.process.errors import ConfigError
 from grpo.inference.generation import EngineSettings, generate_kwargs, inference_state_dict, weights_checksum
+from grpo.process.errors import ConfigError
 from grpo.training.models import torch_dtype
 
 #: Smallest attention head size vLLM's CPU attention backend accepts.

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo.training import checkpoint as ckpt
 from grpo.export import export_model
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.training import checkpoint as ckpt
 
 
 def checkpoint_note(last_checkpoint: tuple[int, Path] | None, run_dir: Path) -> str:

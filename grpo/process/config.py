@@ -7,8 +7,8 @@ import warnings
 
 from omegaconf import OmegaConf
 
-from grpo.tasks.envs import TASKS
 from grpo.process.errors import ConfigError
+from grpo.tasks.envs import TASKS
 from grpo.tasks.rewards import ANSWER_EXTRACTIONS
 from grpo.tasks.user_rewards import parse_spec
 

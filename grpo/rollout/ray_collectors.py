@@ -26,12 +26,12 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import lazy_stack
 
-from grpo.tasks.data import PromptLedger, serve_from
-from grpo.process.errors import UserError
 from grpo.inference.generation import EngineSettings, inference_state_dict, tensor_place, weights_checksum
-from grpo.training.models import torch_dtype
+from grpo.process.errors import UserError
 from grpo.process.setup import ray_pythonpath
+from grpo.tasks.data import PromptLedger, serve_from
 from grpo.tasks.user_rewards import take_reward_seconds
+from grpo.training.models import torch_dtype
 
 GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s")
 
@@ -42,10 +42,10 @@ class RolloutWorker:
                  checksum: int):
         from tensordict import set_list_to_stack
 
-        from grpo.tasks.envs import make_collector, make_env
         from grpo.inference.engine import make_inference
-        from grpo.training.models import configure_attention_kernels, load_tokenizer
         from grpo.process.setup import seed_everything
+        from grpo.tasks.envs import make_collector, make_env
+        from grpo.training.models import configure_attention_kernels, load_tokenizer
 
         set_list_to_stack(True).set()
         cfg = OmegaConf.create(cfg_dict)

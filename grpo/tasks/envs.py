@@ -20,8 +20,8 @@ from torchrl.envs import StepCounter
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv, IFEvalEnv
 from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 
-from grpo.tasks.data import StreamLoader, data_primer, load_split
 from grpo.process.errors import DataError
+from grpo.tasks.data import StreamLoader, data_primer, load_split
 from grpo.tasks.ifeval import load_ifeval_rows
 from grpo.tasks.ifeval_env import make_ifeval_env
 from grpo.tasks.rewards import GSM8KReward, parse_number, reference_answer

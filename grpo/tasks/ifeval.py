@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from grpo.tasks.data import load_split
 from grpo.process.errors import ConfigError, DataError
+from grpo.tasks.data import load_split
 from grpo.tasks.ifeval_checks import ROW_FIELDS, check_instruction, normalize_kwargs, validate_rows
 from grpo.tasks.rewards import is_well_formatted
 

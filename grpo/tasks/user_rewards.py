@@ -73,8 +73,8 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Compose, Transform
 
 from grpo.process.errors import ConfigError, RewardTimeout
-from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
 from grpo.process.setup import REPO_ROOT
+from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
 
 FIXED_ARGUMENTS = ("prompt", "reply")  # every call offers these; "answer" too when env.answer_key is set
 

@@ -23,8 +23,8 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
-from grpo.process.errors import CheckpointError, ResumeError
 from grpo.loop.logger import read_metrics
+from grpo.process.errors import CheckpointError, ResumeError
 
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.json$")
 TENSORS_PATTERN = re.compile(r"^step_(\d+)\.[0-9a-f]+\.safetensors$")

@@ -7,8 +7,8 @@ import torch
 from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
 
-from grpo.training.batch import micro_batches
 from grpo.process.world import World
+from grpo.training.batch import micro_batches
 
 
 class ReplyLogProbs(torch.nn.Module):

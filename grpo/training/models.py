@@ -8,8 +8,8 @@ import torch
 from torchrl.data.llm import History
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpo.tasks.data import looks_local
 from grpo.process.errors import ModelLoadError
+from grpo.tasks.data import looks_local
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")

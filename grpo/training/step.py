@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from grpo.process.errors import NonFiniteError
+from grpo.process.world import World, full, set_gradient_sync
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batch_rows, rollout_metrics, to_training_batch, trim_padding
-from grpo.process.errors import NonFiniteError
 from grpo.training.logprobs import ReplyLogProbs, score_replies
-from grpo.process.world import World, full, set_gradient_sync
 
 
 @dataclass(frozen=True)

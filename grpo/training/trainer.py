@@ -7,10 +7,10 @@ import math
 
 import torch
 
+from grpo.process.world import World
 from grpo.training import checkpoint as ckpt
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.step import GRPOSettings, GRPOStep
-from grpo.process.world import World
 
 
 class Trainer:
