@@ -1,1 +1,2 @@
-"""How replies are sampled: the engine interface and settings, the transformers engine and its decode loop, the vLLM engine."""
+"""How replies are sampled: the engine interface and settings, the transformers engine and its
+decode loop, the vLLM engine."""

@@ -9,7 +9,8 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from grpo.inference.decoding import ReplySampler
-from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, inference_state_dict, weights_checksum
+from grpo.inference.generation import (EngineSettings, InferenceEngine, generate_kwargs, inference_state_dict,
+                                       weights_checksum)
 from grpo.training.models import load_causal_lm, torch_dtype
 
 

@@ -1,1 +1,2 @@
-"""Process plumbing: Hydra entry, seeds and signals, config checks, user errors, the device plan, the data-parallel world."""
+"""Process plumbing: Hydra entry, seeds and signals, config checks, user errors, the device plan,
+the data-parallel world."""

@@ -14,13 +14,13 @@
                                                            its cut; dr_grpo: token sum / (replies x max_new_tokens)
         backward; clip grad norm; optimiser and LR schedule step (a NaN/inf gradient: stop, or skip the step)
 
-Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read
-the config, and it runs the same on one data-parallel rank or many (``grpo/process/world.py``: every rank holds
-the whole batch, scores its share of the reference's rows and trains on its share of each micro-batch
-of the sharded ``policy``; ``LossTotals`` are the global minibatch's, the metrics summed over ranks). Same
-estimators as TorchRL's ``GRPOLoss`` (tests/test_step.py checks value and gradient against it); why not ``GRPOLoss`` itself: it runs on
-per-sample tensordicts and computes full-vocabulary logits at every prompt position; on a 0.5B model
-it used 2.4x TRL's GPU memory. Unlike TorchRL 0.14.1, KL terms and diagnostics average over reply
+Every argument is explicit (``GRPOSettings``, the models, the optimiser): the step does not read the
+config, and it runs the same on one data-parallel rank or many (``grpo/process/world.py``: every rank
+holds the whole batch, scores its share of the reference's rows and trains on its share of each
+micro-batch of the sharded ``policy``; ``LossTotals`` are the global minibatch's, the metrics summed over
+ranks). Same estimators as TorchRL's ``GRPOLoss`` (tests/test_step.py checks value and gradient against
+it); why not ``GRPOLoss`` itself: it runs on per-sample tensordicts and computes full-vocabulary logits
+at every prompt position; on a 0.5B model it used 2.4x TRL's GPU memory. Unlike TorchRL 0.14.1, KL terms and diagnostics average over reply
 tokens only, so they do not shrink as prompts grow.
 """
 
