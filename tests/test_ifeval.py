@@ -11,15 +11,8 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
 from grpo.process.errors import ConfigError, DataError, clear_errors
-from grpo.tasks.ifeval import (
-    DEFAULT_REWARD_WEIGHTS,
-    IFEvalResult,
-    evaluate_response,
-    extract_answer,
-    ifeval_reward,
-    load_ifeval_rows,
-    loose_variants,
-)
+from grpo.tasks.ifeval import (DEFAULT_REWARD_WEIGHTS, IFEvalResult, evaluate_response, extract_answer,
+                               ifeval_reward, load_ifeval_rows, loose_variants)
 from grpo.tasks.ifeval_env import IFEvalReward, make_ifeval_env
 
 ROOT = Path(__file__).resolve().parents[1]

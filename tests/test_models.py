@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import compose
-from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
-                         stop_token_ids)
+from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model,
+                                  load_tokenizer, stop_token_ids)
 
 
 def test_cudnn_attention_follows_the_config():

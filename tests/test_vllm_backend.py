@@ -15,15 +15,9 @@ import pytest
 import torch
 
 from grpo.inference.generation import EngineSettings, InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
+from grpo.inference.vllm_backend import (check_vllm_available, check_vllm_model_shape, configure_vllm_env,
+                                         make_vllm_engine, make_vllm_policy, push_weights)
 from grpo.process.errors import ConfigError
-from grpo.inference.vllm_backend import (
-    check_vllm_available,
-    check_vllm_model_shape,
-    configure_vllm_env,
-    make_vllm_engine,
-    make_vllm_policy,
-    push_weights,
-)
 
 # vLLM reads its env (VLLM_TARGET_DEVICE, ...) at import time: set it before importorskip.
 DEVICE_IS_CPU = configure_vllm_env()

@@ -23,18 +23,18 @@ from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
 from grpo.loop.evaluation import Evaluator
 from grpo.loop.logger import RunLogger, profile_to, reply_samples
+from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import ConfigError, UserError
+from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths,
+                                resolved_config, seed_everything, write_hydra_record)
 from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.tasks.envs import load_splits, make_env, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.training import checkpoint as ckpt
-from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model, load_tokenizer,
-                         stop_token_ids)
-from grpo.loop.records import RunRecords, checkpoint_note
-from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths, resolved_config,
-                        seed_everything, write_hydra_record)
+from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model,
+                                  load_tokenizer, stop_token_ids)
 from grpo.training.trainer import Trainer
 
 
