@@ -21,7 +21,8 @@ from conftest import compose
 from grpo.process.errors import ResumeError
 from grpo.training import checkpoint
 from grpo.training.checkpoint import (check_resumable, find_checkpoint, list_checkpoints, load_checkpoint,
-                                      load_latest_good, restore_training_state, save_checkpoint, truncate_metrics)
+                                      load_latest_good, restore_training_state, save_checkpoint, training_state,
+                                      truncate_metrics)
 
 SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",
          "eval.frequency=0", "env.num_envs=16", "env.repeats=4", "train.dialog_turns_per_batch=16",
@@ -150,7 +151,7 @@ def _trained(seed=0):
 
 def _save(ckpt_dir, step, keep_last=None, extra=None):
     model, opt, sched = _trained(step)
-    return save_checkpoint(ckpt_dir, step, model=model, optimizer=opt, scheduler=sched, counters={"step": step},
+    return save_checkpoint(ckpt_dir, step, state=training_state(model, opt, sched), counters={"step": step},
                            resolved_config={}, extra=extra, keep_last=keep_last)
 
 
@@ -171,7 +172,7 @@ def _draws():
 def test_round_trip_restores_weights_optimizer_schedule_and_rng(tmp_path):
     model, opt, sched = _trained()
     np.random.randn()  # a cached Gaussian is part of numpy's state too
-    path = save_checkpoint(tmp_path, 7, model=model, optimizer=opt, scheduler=sched, counters={"step": 7},
+    path = save_checkpoint(tmp_path, 7, state=training_state(model, opt, sched), counters={"step": 7},
                            resolved_config={"seed": 1}, extra={"data_position": 3, "wandb_run_id": None})
     expected = _draws()
     assert path.name == "step_00000007.json" and sorted(p.suffix for p in tmp_path.iterdir()) == [".json",
@@ -263,7 +264,7 @@ def test_a_kill_at_any_rename_leaves_the_old_or_the_new_checkpoint(tmp_path, mon
     monkeypatch.setattr(checkpoint.os, "replace", replace)
     model, opt, sched = _trained(seed=9)
     try:
-        save_checkpoint(tmp_path, 2, model=model, optimizer=opt, scheduler=sched, counters={"step": 2},
+        save_checkpoint(tmp_path, 2, state=training_state(model, opt, sched), counters={"step": 2},
                         resolved_config={})
     except KeyboardInterrupt:
         pass

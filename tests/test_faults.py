@@ -35,7 +35,7 @@ from grpo.tasks.envs import load_splits, task_system_prompt
 from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, prompt_token_counts
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training import checkpoint
-from grpo.training.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint
+from grpo.training.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, training_state
 from grpo.training.models import load_tokenizer
 from test_checkpoint import SMALL, _save, _trained, grpo_cmd, step_rows
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture
@@ -91,7 +91,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
     with torch.no_grad():
         model[1].weight[0, 0] = float("nan")
     with pytest.raises(CheckpointError, match="NaN or inf.*earlier ones.*kept"):
-        checkpoint.save_checkpoint(tmp_path, 2, model=model, optimizer=opt, scheduler=sched, counters={},
+        checkpoint.save_checkpoint(tmp_path, 2, state=training_state(model, opt, sched), counters={},
                                    resolved_config={}, keep_last=1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.json"]
 

@@ -1,18 +1,22 @@
-"""Data-parallel training (grpo/process/world.py): two FSDP2 ranks over gloo train exactly as one rank does."""
+"""Data-parallel training (grpo/process/world.py): two FSDP2 ranks over gloo train exactly as one rank does,
+and a checkpoint written by either resumes on the other."""
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
 
 from conftest import compose
 from grpo.process.setup import resolve_local_paths
 from grpo.process.world import World, full
 from grpo.training.batch import micro_batch_rows
+from grpo.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.training.trainer import Trainer
 from test_step import setup  # noqa: F401 - a fixture: rollouts of the tiny model, 2 groups of 4
@@ -21,9 +25,8 @@ OVERRIDES = ["env.repeats=4", "env.num_envs=8", "train.dialog_turns_per_batch=8"
              "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "train.micro_batch_tokens=null"]
 
 
-def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str):
-    """One rank: the trainer as the run builds it, three GRPO steps on the same rollouts; rank 0 writes
-    each step's metrics and the whole weights after the last."""
+def rank_trainer(rank: int, size: int, port: int, model_dir: str, data_dir: str) -> tuple[World, Trainer]:
+    """This rank's world and the trainer as the run builds it (policy sharded over the world, reference whole)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -33,13 +36,46 @@ def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir:
     tok = load_tokenizer(cfg.model.name)
     cpu = torch.device("cpu")
     policy, ref = load_policy_model(cfg, tok, cpu), load_reference_model(cfg, tok, cpu)
-    trainer = Trainer(cfg, policy, ref, pad_token_id=tok.pad_token_id,
-                      stop_token_ids=stop_token_ids(tok, policy.generation_config), world=world)
+    return world, Trainer(cfg, policy, ref, pad_token_id=tok.pad_token_id,
+                          stop_token_ids=stop_token_ids(tok, policy.generation_config), world=world)
+
+
+def whole_weights(trainer: Trainer) -> dict:
+    return {name: full(p.detach()) for name, p in trainer.policy_model.named_parameters()}
+
+
+def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str):
+    """One rank: three GRPO steps on the same rollouts; rank 0 writes each step's metrics and the whole
+    weights after the last."""
+    world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
     rollouts = torch.load(rollouts_file, weights_only=False)
     metrics = [trainer.update(rollouts, step) for step in (1, 2, 3)]
-    weights = {name: full(p.detach()) for name, p in policy.named_parameters()}
+    weights = whole_weights(trainer)
     if world.is_main:
         torch.save({"metrics": metrics, "weights": weights}, out)
+    if size > 1:
+        dist.destroy_process_group()
+
+
+def checkpoint_and_go_on(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str,
+                         ckpt_dir: str, resume: bool, out: str):
+    """One rank: either steps 1-3, a checkpoint (rank 0 writes it), then step 4; or the checkpoint
+    restored, then step 4. Rank 0 writes the whole weights after step 4."""
+    world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
+    rollouts = torch.load(rollouts_file, weights_only=False)
+    if resume:
+        trainer.restore(load_checkpoint(list_checkpoints(Path(ckpt_dir))[-1]))
+    else:
+        for step in (1, 2, 3):
+            trainer.update(rollouts, step)
+        state = trainer.checkpoint_state()  # every rank: the shards are gathered
+        if world.is_main:
+            save_checkpoint(ckpt_dir, 3, state=state, resolved_config={},
+                            counters={"step": 3, "policy_version": trainer.policy_version})
+    trainer.update(rollouts, 4)
+    weights = whole_weights(trainer)
+    if world.is_main:
+        torch.save(weights, out)
     if size > 1:
         dist.destroy_process_group()
 
@@ -84,6 +120,27 @@ def test_two_ranks_train_as_one(setup, tmp_path):  # noqa: F811 - the imported f
 def load_initial_weights(cfg) -> dict:
     tok = load_tokenizer(cfg.model.name)
     return {n: p.detach() for n, p in load_policy_model(cfg, tok, torch.device("cpu")).named_parameters()}
+
+
+@pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(setup, tmp_path, saved_by, resumed_by):  # noqa: F811
+    """A checkpoint holds whole tensors: written by 2 ranks and resumed by 1 (or the other way), step 4
+    gives the weights of the run that wrote it and went on, to 1e-5."""
+    cfg, _, _, rollouts, _ = setup
+    rollouts_file = tmp_path / "rollouts.pt"
+    torch.save(rollouts, rollouts_file)
+
+    def run(size, resume, out):
+        mp.spawn(checkpoint_and_go_on, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
+                                                          str(rollouts_file), str(tmp_path / "ckpt"), resume, out))
+        return torch.load(out, weights_only=False)
+
+    went_on = run(saved_by, False, str(tmp_path / "went_on.pt"))
+    resumed = run(resumed_by, True, str(tmp_path / "resumed.pt"))
+    saved = load_checkpoint(list_checkpoints(tmp_path / "ckpt")[-1])
+    assert saved["model"].keys() == went_on.keys() and all(not isinstance(v, DTensor) for v in saved["model"].values())
+    for name, weight in went_on.items():
+        torch.testing.assert_close(resumed[name], weight, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_a_world_of_one_is_the_identity():

@@ -46,8 +46,8 @@ class RunRecords:
     def save_checkpoint(self, step: int, trainer, counters: dict, extras: dict, rng: dict | None = None) -> None:
         """``rng``: RNG states to store instead of the current ones."""
         path = ckpt.save_checkpoint(
-            str(self.checkpoint_dir), step, model=trainer.policy_model, optimizer=trainer.optimizer,
-            scheduler=trainer.scheduler, counters=counters, resolved_config=self.resolved_config,
+            str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
+            resolved_config=self.resolved_config,
             extra={"wandb_run_id": self.logger.wandb_run_id, **extras}, keep_last=self.keep_last, rng=rng)
         self.last_checkpoint = (step, path)
         tqdm.write(f"step {step}: checkpoint {path}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,23 @@ class World:
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) value made whole on every rank; a plain tensor as it is."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(state):
+    """A (nested) state dict with every sharded tensor made whole on every rank (a collective when
+    sharded): the form a checkpoint keeps, which any number of ranks can load."""
+    if isinstance(state, dict):
+        return {key: whole(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(whole(value) for value in state)
+    return full(state) if isinstance(state, torch.Tensor) else state
+
+
+def shard_like(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A whole tensor cut as ``like`` is sharded (this rank's shard); as it is when ``like`` is not sharded."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(tensor.to(like.device, like.dtype), like.device_mesh, like.placements)
+    return tensor
 
 
 def set_gradient_sync(module: torch.nn.Module, enabled: bool) -> None:

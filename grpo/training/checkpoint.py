@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from grpo.loop.logger import read_metrics
 from grpo.process.errors import CheckpointError, ResumeError
+from grpo.process.world import shard_like, whole
 
 CKPT_PATTERN = re.compile(r"^step_(\d+)\.json$")
 TENSORS_PATTERN = re.compile(r"^step_(\d+)\.[0-9a-f]+\.safetensors$")
@@ -40,6 +41,13 @@ def trainable_state_dict(model) -> dict:
     """Only what training changes: every weight of a full fine-tune, the adapters of a LoRA one."""
     names = {n for n, p in model.named_parameters() if p.requires_grad}
     return {k: v for k, v in model.state_dict().items() if k in names}
+
+
+def training_state(model, optimizer, scheduler) -> dict:
+    """What a checkpoint keeps of training: the trained weights, the optimiser and the schedule, whole
+    (a data-parallel policy's shards gathered on every rank), so any number of ranks can resume it."""
+    return {"model": whole(trainable_state_dict(model)), "optimizer": whole(optimizer.state_dict()),
+            "scheduler": scheduler.state_dict()}
 
 
 def rng_state() -> dict:
@@ -117,20 +125,19 @@ def check_free_space(folder: Path, need: int, what: str) -> None:
                               f"{(need - free) / 2**30:.2f} GiB (older run dirs, logging.keep_last=1) and resume.")
 
 
-def save_checkpoint(ckpt_dir: Path, step: int, *, model, optimizer, scheduler, counters: dict,
-                    resolved_config: dict, extra: dict | None = None, keep_last: int | None = None,
-                    rng: dict | None = None) -> Path:
-    """Write ``step_N.json`` and its tensors; returns the JSON's path. ``extra``: the scripts' own state,
-    plain JSON values (loaded back as JSON gives them: tuples as lists). ``rng``: RNG states taken
-    earlier (default: now)."""
+def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, resolved_config: dict,
+                    extra: dict | None = None, keep_last: int | None = None, rng: dict | None = None) -> Path:
+    """Write ``step_N.json`` and its tensors; returns the JSON's path. ``state``: ``training_state``'s.
+    ``extra``: the scripts' own state, plain JSON values (loaded back as JSON gives them: tuples as
+    lists). ``rng``: RNG states taken earlier (default: now)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict = {}
     record = {
         "step": step,
-        "model": _to_json(trainable_state_dict(model), tensors, "model"),
-        "optimizer": _to_json(optimizer.state_dict(), tensors, "optimizer"),
-        "scheduler": _to_json(scheduler.state_dict(), tensors, "scheduler"),
+        "model": _to_json(state["model"], tensors, "model"),
+        "optimizer": _to_json(state["optimizer"], tensors, "optimizer"),
+        "scheduler": _to_json(state["scheduler"], tensors, "scheduler"),
         "counters": counters,
         "rng": _to_json(rng or rng_state(), tensors, "rng"),
         "config": resolved_config,
@@ -266,17 +273,32 @@ def _select(config: dict, dotted: str):
 
 
 def restore_training_state(payload: dict, *, model, optimizer, scheduler) -> None:
+    """Weights, optimiser, schedule and RNG states of a checkpoint; a data-parallel policy takes its
+    shards of the whole tensors the checkpoint holds, whatever the number of ranks that wrote it."""
+    params = dict(model.named_parameters())
+    weights = {k: shard_like(v, params[k]) if k in params else v for k, v in payload["model"].items()}
     try:
-        _, unexpected = model.load_state_dict(payload["model"], strict=False)
+        _, unexpected = model.load_state_dict(weights, strict=False)
     except RuntimeError as err:  # size mismatch: another model shape than check_resumable could tell
         raise ResumeError(f"resume: the checkpoint's weights do not fit this model ({str(err).splitlines()[1:2]}); "
                           "resume with the model it was trained from.") from err
     if unexpected:
         raise ResumeError(f"resume: the checkpoint holds weights this model lacks ({unexpected[:5]}); resume with the "
                           "model it was trained from.")
-    optimizer.load_state_dict(payload["optimizer"])
+    optimizer.load_state_dict(shard_optimizer_state(payload["optimizer"], optimizer))
     scheduler.load_state_dict(payload["scheduler"])
     set_rng_state(payload["rng"])
+
+
+def shard_optimizer_state(saved: dict, optimizer) -> dict:
+    """The optimiser's saved state with each per-parameter tensor (AdamW's moments) cut like its parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, per_param in saved["state"].items():
+        param = params[int(i)]
+        state[i] = {name: shard_like(value, param) if torch.is_tensor(value) and value.shape == param.shape else value
+                    for name, value in per_param.items()}
+    return {**saved, "state": state}
 
 
 def find_checkpoint(resume: str, *, experiment_name: str, search_roots: list[Path],

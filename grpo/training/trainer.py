@@ -45,6 +45,10 @@ class Trainer:
         self.policy_version = payload["counters"]["policy_version"]
         self.completed_step = payload["counters"]["step"]
 
+    def checkpoint_state(self) -> dict:
+        """Weights, optimiser and schedule as a checkpoint keeps them: whole, whatever the number of ranks."""
+        return ckpt.training_state(self.policy_model, self.optimizer, self.scheduler)
+
     def update(self, rollouts, step: int) -> dict:
         metrics = self.grpo_step(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
         self.policy_version += metrics["optim_steps"]
