@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
 from conftest import compose
+from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.errors import ResumeError
 from grpo.training import checkpoint
-from grpo.training.checkpoint import (check_resumable, find_checkpoint, list_checkpoints, load_checkpoint,
-                                      load_latest_good, restore_training_state, save_checkpoint, training_state,
-                                      truncate_metrics)
+from grpo.training.checkpoint import (list_checkpoints, load_checkpoint, load_latest_good, restore_training_state,
+                                      save_checkpoint, training_state)
 
 SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",
          "eval.frequency=0", "env.num_envs=16", "env.repeats=4", "train.dialog_turns_per_batch=16",

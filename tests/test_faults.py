@@ -27,6 +27,7 @@ import torch
 
 from conftest import TINY_DATA, compose
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.loop.resume import find_checkpoint
 from grpo.process.config import validate_config
 from grpo.process.errors import CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout
 from grpo.process.setup import RunDirClaim
@@ -35,7 +36,7 @@ from grpo.tasks.envs import load_splits, task_system_prompt
 from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, prompt_token_counts
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training import checkpoint
-from grpo.training.checkpoint import find_checkpoint, list_checkpoints, load_checkpoint, training_state
+from grpo.training.checkpoint import list_checkpoints, load_checkpoint, training_state
 from grpo.training.models import load_tokenizer
 from test_checkpoint import SMALL, _save, _trained, grpo_cmd, step_rows
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture

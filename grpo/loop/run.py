@@ -24,6 +24,7 @@ from grpo.inference.generation import EngineSettings
 from grpo.loop.evaluation import Evaluator
 from grpo.loop.logger import RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
+from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import ConfigError, UserError
@@ -96,11 +97,11 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool) -> Run:
     # what a second Ctrl-C says the run keeps; the records say it once they exist (below)
     stop_flag = StopFlag(lambda: checkpoint_note(last_checkpoint, run_dir))
     if cfg.resume:
-        ckpt_path, payload = ckpt.find_checkpoint(
+        ckpt_path, payload = find_checkpoint(
             str(cfg.resume), experiment_name=cfg.logging.experiment_name,
             overrides=list(HydraConfig.get().overrides.task),
             search_roots=[REPO_ROOT / "outputs", REPO_ROOT / "multirun"])
-        ckpt.check_resumable(ckpt_path, payload, cfg)
+        check_resumable(ckpt_path, payload, cfg)
         last_checkpoint = (payload["step"], ckpt_path)
         if not eval_only:  # continue in the original run dir: its metrics, checkpoints and wandb run
             run_dir = ckpt_path.parent.parent
@@ -120,7 +121,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     """The rest of the start, in the run dir this run holds: checks, models, optimiser, logger, restore."""
     if payload and not eval_only:  # its .hydra/ stays that of the command that started it (resume=auto's match)
         for rows in ("metrics.jsonl", "samples.jsonl"):
-            ckpt.truncate_metrics(run_dir / rows, payload["step"])
+            truncate_metrics(run_dir / rows, payload["step"])
         print(f"resuming from {last_checkpoint[1]} (step {payload['step']}) into {run_dir}", flush=True)
     elif (run_dir / "metrics.jsonl").exists():
         raise ConfigError(f"hydra.run.dir={run_dir} already holds a run (its metrics.jsonl and checkpoints "
