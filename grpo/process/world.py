@@ -49,28 +49,30 @@ class World:
         """The sum over ranks (a new tensor)."""
         if self.size == 1:
             return tensor
-        out = tensor.clone()
+        out = _for_comms(tensor).clone()
         dist.all_reduce(out)
-        return out
+        return out.to(tensor.device)
 
     def from_main(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's tensor on every rank (a random draw made once, e.g. the minibatch order)."""
-        if self.size > 1:
-            dist.broadcast(tensor, src=0)
-        return tensor
+        if self.size == 1:
+            return tensor
+        out = _for_comms(tensor).clone()
+        dist.broadcast(out, src=0)
+        return out.to(tensor.device)
 
     def gather_shares(self, local: torch.Tensor, n_rows: int) -> torch.Tensor:
         """The ``[n_rows, ...]`` tensor whose rows ``r::size`` rank ``r`` computed as ``local``."""
         if self.size == 1:
             return local
         width = -(-n_rows // self.size)  # ranks may hold one row fewer: pad to gather equal shapes
-        padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype)
+        padded = _for_comms(torch.zeros((width, *local.shape[1:]), dtype=local.dtype))
         padded[:len(local)] = local
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded)
         out = torch.empty((n_rows, *local.shape[1:]), dtype=local.dtype)
         for rank, part in enumerate(parts):
-            out[rank::self.size] = part[:len(range(rank, n_rows, self.size))]
+            out[rank::self.size] = part[:len(range(rank, n_rows, self.size))].to(out.device)
         return out
 
     def shard(self, scorer: torch.nn.Module) -> torch.nn.Module:
@@ -88,6 +90,14 @@ class World:
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         return scorer
+
+
+def _for_comms(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor where the process group's backend can send it: NCCL only moves GPU tensors, and the
+    step's minibatch order and reference log-probs live on the CPU."""
+    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+        return tensor.to(torch.device("cuda", torch.cuda.current_device()))
+    return tensor
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

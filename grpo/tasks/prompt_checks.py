@@ -15,7 +15,7 @@ from grpo.training.models import wrapper_chat_template
 
 def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     """Every prompt a run will send must leave its reply room in ``inference_model.max_model_len``.
-    ``splits``: the train and test splits, by name, as the task's ``load_split`` returned them.
+    ``splits``: the train and test splits, by name, as the task's ``load_rows`` returned them.
 
     Engines meet a longer one only when it is drawn, mid-run, and then fail or stall (a 33k-token
     question: no step within 300 s). Prompts are counted as the policy will see them: the task's
