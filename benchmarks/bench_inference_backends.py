@@ -31,8 +31,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from grpo.inference.vllm_backend import (# noqa: E402                                          configure_vllm_env,
-                                         make_vllm_engine, make_vllm_policy, push_weights)
+from grpo.inference.vllm_backend import (  # noqa: E402
+    configure_vllm_env, make_vllm_engine, make_vllm_policy, push_weights)
 
 _QUESTIONS = [
     "What is {a} plus {b}?",

@@ -435,7 +435,6 @@ def trl_worker(spec: dict) -> None:
 # ------------------------------------------------------------------------------------------------
 def eval_checkpoint_worker(spec: dict) -> None:
     _import_project()
-    import torch
     from transformers import AutoModelForCausalLM
 
     from grpo.training.checkpoint import list_checkpoints, load_checkpoint

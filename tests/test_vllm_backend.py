@@ -112,10 +112,10 @@ def sequences(tokenizer):
 
 
 @torch.no_grad()
-def hf_logprobs(model, ids) -> torch.Tensor:
-    """log p(ids[t] | ids[:t]) for t >= 1."""
+def hf_logprobs(model, ids, temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1, p = softmax(logits / temperature)."""
     x = torch.tensor([list(ids)])
-    logits = model(x).logits.float()
+    logits = model(x).logits.float() / temperature
     return logits.log_softmax(-1)[0, :-1].gather(-1, x[0, 1:, None])[:, 0]
 
 
@@ -183,7 +183,7 @@ def test_policy_generates_with_response_logprobs(llm, tokenizer, hf_model):
     from tensordict import set_list_to_stack
 
     with set_list_to_stack(True):
-        # temperature != 1: the returned log-probs must still be the model's raw ones
+        # temperature != 1: the returned log-probs are the tempered distribution's, the one sampled from
         policy = make_vllm_policy(
             llm, tokenizer, generate_kwargs={"max_new_tokens": 12, "temperature": 0.7}
         )
@@ -197,7 +197,7 @@ def test_policy_generates_with_response_logprobs(llm, tokenizer, hf_model):
     for p, r, lp in zip(tokens_prompt, tokens_resp, lp_resp):
         assert 0 < r.numel() <= 12 and lp.shape == r.shape
         assert torch.isfinite(lp).all() and (lp <= 0).all()
-        ref = hf_logprobs(hf_model, torch.cat([p, r]).tolist())[p.numel() - 1 :]
+        ref = hf_logprobs(hf_model, torch.cat([p, r]).tolist(), temperature=0.7)[p.numel() - 1 :]
         assert (lp - ref).abs().max().item() < ATOL
     roles = [h.role for h in out.get(("history", "response")).unbind(0)]
     assert all(list(r) == ["assistant"] for r in roles), roles

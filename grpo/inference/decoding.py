@@ -11,7 +11,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 - reads each K/V head once for its group of query heads when decoding (``decode_attention``);
 - in an inference copy, runs each layer's q/k/v and gate/up projections as one GEMM each
   (``fuse_projections``: 23.8% -> 25.8% of the bound at 1.5B x 128 on an H100);
-- keeps only the sampled token's log-prob (raw logits, before temperature: what the trainer scores);
+- keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores);
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
 - stops once every reply has ended.
 """
@@ -56,7 +56,8 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
 
 
 def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float):
-    """The next token of each row and its log-prob under the raw logits."""
+    """The next token of each row and its log-prob under the distribution it was drawn from: softmax of
+    the logits / temperature, cut by top-k/top-p (as vLLM's ``processed_logprobs``); greedy: the raw logits'."""
     logits = logits.float()
     if greedy:
         token = logits.argmax(-1)
@@ -72,6 +73,7 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
             scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered)
         probs = scaled.softmax(-1)
         token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)   # exact categorical sample
+        logits = scaled
     log_prob = logits.gather(-1, token[:, None])[:, 0] - logits.logsumexp(-1)
     return token, log_prob
 

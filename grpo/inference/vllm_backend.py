@@ -174,6 +174,9 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
         gpu_memory_utilization = 0.3 if device_is_cpu else 0.9
     if enforce_eager is None:
         enforce_eager = device_is_cpu
+    # processed: log-probs of the distribution each token was drawn from (after temperature, top-k/top-p),
+    # what the trainer scores (grpo/training/logprobs.py); vLLM's default gives the raw logits'
+    llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
     return vllm.LLM(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                     # explicit: vLLM caches its environment once an engine has started
@@ -226,8 +229,8 @@ def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, inp
                      **wrapper_kwargs):
     """TorchRL ``vLLMWrapper`` around ``llm`` that generates and returns response log-probs.
 
-    The result holds ``("log_probs", "response")`` (vLLM's raw, pre-temperature log-probs
-    of the sampled tokens), ``tokens``, ``masks``, ``text`` and, for ``input_mode="history"``,
+    The result holds ``("log_probs", "response")`` (the sampled tokens' log-probs, of the
+    tempered distribution with an engine from ``make_vllm_engine``), ``tokens``, ``masks``, ``text`` and, for ``input_mode="history"``,
     ``history``; outputs are unpadded (``pad_output=False``). For greedy evaluation build a
     second policy on the same engine with ``generate_kwargs={"temperature": 0.0, ...}``
     (cheap: no engine work). Extra keyword arguments go to ``vLLMWrapper``

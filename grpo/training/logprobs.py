@@ -1,5 +1,8 @@
 """Log-probs of reply tokens under a model, in bounded memory: what training, the reference and the
-sampler/trainer checks all score replies with."""
+sampler/trainer checks all score replies with. They are the *tempered* policy's, softmax(logits / T) at the
+sampling temperature T, the distribution the replies were drawn from, as the samplers record them: the
+ratio against the sampler is then 1 before an update whatever T (raw log-probs would differ by the
+temperature's reshaping), and the gradient is that of the policy that generates."""
 
 from __future__ import annotations
 
@@ -16,13 +19,13 @@ class ReplyLogProbs(torch.nn.Module):
     trainer shards it with this as the root (``World.shard``): ``token_log_probs`` calls the decoder and
     the LM head directly, and only a root's forward gathers the embeddings, final norm and head."""
 
-    def __init__(self, model):
+    def __init__(self, model, temperature: float = 1.0):
         super().__init__()
-        self.model = model
+        self.model, self.temperature = model, temperature
 
     def forward(self, input_ids, attention_mask, width_r: int, *, with_entropy: bool, entropy_grad: bool):
         token_lp, entropy = token_log_probs(self.model, input_ids, attention_mask, width_r, with_entropy=with_entropy,
-                                            entropy_grad=entropy_grad)
+                                            entropy_grad=entropy_grad, temperature=self.temperature)
         # not views: FSDP2 hooks the root's outputs for backward, and a view would lose the hook on any in-place op
         return token_lp.clone(), entropy if entropy is None else entropy.clone()
 
@@ -50,8 +53,10 @@ LOGIT_CHUNK_BYTES = 2**28
 
 
 def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width_r: int, *,
-                    with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``[S, R]`` log pi(reply token | everything before it), and its entropy if asked.
+                    with_entropy: bool, entropy_grad: bool, temperature: float = 1.0,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[S, R]`` log pi(reply token | everything before it), and its entropy if asked, where pi is
+    softmax(logits / ``temperature``).
 
     Only the last ``R + 1`` positions go through the LM head: the prompt positions' logits are never
     needed. The head runs over chunks of positions, each under activation checkpointing, so at most
@@ -73,8 +78,8 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     recompute = flat_targets.shape[0] > positions and torch.is_grad_enabled()
     chunks = []
     for start in range(0, flat_targets.shape[0], positions):
-        args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], with_entropy,
-                entropy_grad)
+        args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], temperature,
+                with_entropy, entropy_grad)
         chunks.append(checkpoint(_head_log_probs, *args, use_reentrant=False) if recompute else _head_log_probs(*args))
     # a model split over GPUs returns hidden states on its last one; the batch lives on the first
     token_lp = torch.cat([lp for lp, _ in chunks]).view_as(targets).to(input_ids.device)
@@ -83,9 +88,11 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return token_lp, torch.cat([ent for _, ent in chunks]).view_as(targets).to(input_ids.device)
 
 
-def _head_log_probs(head, hidden, targets, with_entropy: bool, entropy_grad: bool):
+def _head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
     """Log-probs of ``targets`` (and the entropy) from one chunk of hidden states."""
     logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     lse = logits.logsumexp(-1)
     token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
     if not with_entropy:

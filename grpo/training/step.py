@@ -56,6 +56,7 @@ class GRPOSettings:
     aggregation: str                  # token_mean or prompt_mean
     loss_variant: str                 # grpo, dr_grpo or gspo
     max_new_tokens: int               # dr_grpo's constant per reply
+    temperature: float                # the sampler's: every log-prob is the tempered policy's (logprobs.py)
     inference_is_cap: float | None    # truncated IS on: clip against the trainer's own log-probs
     epochs: int
     optim_batch_size: int             # replies per optimiser step (a minibatch)
@@ -77,6 +78,7 @@ class GRPOSettings:
             overlong_penalty=cfg.reward.overlong_penalty,
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
             loss_variant=t.loss_variant, max_new_tokens=cfg.inference_model.max_new_tokens,
+            temperature=cfg.inference_model.temperature,
             inference_is_cap=t.inference_is_cap, epochs=t.epochs, optim_batch_size=t.optim_batch_size,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
             micro_batch_tokens=t.micro_batch_tokens, clip_grad_norm=cfg.optimizer.clip_grad_norm,
@@ -95,7 +97,7 @@ class GRPOStep:
                  pad_token_id: int, stop_token_ids: list[int], world: World = World()):
         self.s, self.world = settings, world
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
-        self.ref = ReplyLogProbs(ref_model) if ref_model is not None else None
+        self.ref = ReplyLogProbs(ref_model, settings.temperature) if ref_model is not None else None
         self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
         # Eager forward + backward of a small model is bound by the CPU launching ~2000 kernels per
         # micro-batch; compiled, the same maths runs as a few fused kernels. dynamic=True: micro-batches

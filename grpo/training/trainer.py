@@ -26,11 +26,12 @@ class Trainer:
     def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, stop_token_ids: list[int],
                  world: World = World()):
         self.policy_model = policy_model
-        scorer = world.shard(ReplyLogProbs(policy_model))  # before the optimiser: it holds the shards
+        settings = GRPOSettings.from_config(cfg)
+        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature))  # before the optimiser: it holds the shards
         self.optimizer = make_optimizer(cfg, policy_model)
         self.scheduler = make_scheduler(cfg, self.optimizer, cfg.train.total_steps * cfg.train.epochs
                                         * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size)
-        self.grpo_step = GRPOStep(GRPOSettings.from_config(cfg), policy=scorer, optimizer=self.optimizer,
+        self.grpo_step = GRPOStep(settings, policy=scorer, optimizer=self.optimizer,
                                   scheduler=self.scheduler, ref_model=ref_model, pad_token_id=pad_token_id,
                                   stop_token_ids=stop_token_ids, world=world)
         self.policy_version = 0
