@@ -10,6 +10,10 @@ from types import SimpleNamespace
 # Tests never reach the Hugging Face hub: everything runs on what the project ships or builds.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Under pytest-xdist (-n N) N tests run at once: one thread each, in the workers and in the runs they start
+# (inherited), so N workers on N cores do not thrash. Before torch is imported: it reads this once.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 import torch
