@@ -13,6 +13,7 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from conftest import compose
+from grpo.inference.generation import inference_state_dict
 from grpo.process.setup import resolve_local_paths
 from grpo.process.world import World, full
 from grpo.training.batch import micro_batch_rows
@@ -51,8 +52,9 @@ def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir:
     rollouts = torch.load(rollouts_file, weights_only=False)
     metrics = [trainer.update(rollouts, step) for step in (1, 2, 3)]
     weights = whole_weights(trainer)
+    pushed = inference_state_dict(trainer.policy_model)  # what a weight push sends the engines: every rank calls it
     if world.is_main:
-        torch.save({"metrics": metrics, "weights": weights}, out)
+        torch.save({"metrics": metrics, "weights": weights, "pushed": pushed}, out)
     if size > 1:
         dist.destroy_process_group()
 
@@ -115,6 +117,12 @@ def test_two_ranks_train_as_one(setup, tmp_path):  # noqa: F811 - the imported f
     assert moved > 1e-3  # three steps changed the weights well beyond the tolerance
     for name, weight in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], weight, atol=1e-5, rtol=1e-5, msg=name)
+    # a push from the sharded policy sends whole tensors under the HF names, those of the trained weights
+    assert two["pushed"].keys() == one["pushed"].keys()
+    for name, tensor in two["pushed"].items():
+        assert type(tensor) is torch.Tensor and tensor.shape == one["pushed"][name].shape, name
+        if name in two["weights"]:
+            assert torch.equal(tensor, two["weights"][name]), name
 
 
 def load_initial_weights(cfg) -> dict:

@@ -7,6 +7,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from grpo.process.world import whole
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -80,14 +82,15 @@ def generate_kwargs(settings: EngineSettings, tokenizer, *, greedy: bool, max_ne
 
 
 def inference_state_dict(policy_model) -> dict[str, torch.Tensor]:
-    """The weights a generation engine needs: HF parameter names, LoRA adapters merged in.
+    """The weights a generation engine needs: HF parameter names, whole tensors, LoRA adapters merged in.
 
-    Under LoRA only the adapted weights are computed afresh (``W + delta``); the rest are the
-    policy's own tensors, not a copy of the whole model per push.
+    A policy sharded over data-parallel ranks (FSDP2) is gathered whole on every rank: a collective,
+    so every rank calls this for each push. Under LoRA only the adapted weights are computed afresh
+    (``W + delta``); the rest are the policy's own tensors, not a copy of the whole model per push.
     """
     if hasattr(policy_model, "merge_and_unload"):
         return merged_state_dict(policy_model)
-    return policy_model.state_dict()
+    return whole(policy_model.state_dict())
 
 
 @torch.no_grad()
