@@ -13,9 +13,10 @@ from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
 from conftest import compose
-from grpo.inference.generation import inference_state_dict
+from grpo.inference.engine import TransformersInference
+from grpo.inference.generation import EngineSettings, inference_state_dict, weights_checksum
 from grpo.process.setup import resolve_local_paths
-from grpo.process.world import World, full
+from grpo.process.world import World, full, is_sharded
 from grpo.training.batch import micro_batch_rows
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
@@ -80,6 +81,45 @@ def checkpoint_and_go_on(rank: int, size: int, port: int, model_dir: str, data_d
         torch.save(weights, out)
     if size > 1:
         dist.destroy_process_group()
+
+
+def engine_beside_sharded_policy(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str,
+                                 out: str):
+    """One rank: the transformers engine built on the trained (sharded) policy, then a step and a push;
+    rank 0 writes what the engine holds before and after."""
+    world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
+    cfg = compose("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={data_dir}", *OVERRIDES])
+    tok = load_tokenizer(model_dir)
+    stop_ids = stop_token_ids(tok, trainer.policy_model.generation_config)
+    engine = TransformersInference(EngineSettings.from_config(cfg), trainer.policy_model, tok, torch.device("cpu"),
+                                   stop_ids)
+    shares = engine.model is trainer.policy_model
+    before = engine.weights_checksum()
+    trainer.update(torch.load(rollouts_file, weights_only=False), step=1)
+    sent = inference_state_dict(trainer.policy_model)  # every rank: the shards are gathered
+    engine.push_weights(sent, version=trainer.policy_version)
+    if world.is_main:
+        torch.save({"shares": shares, "plain": not is_sharded(engine.model), "before": before,
+                    "after": engine.weights_checksum(), "sent": weights_checksum(sent)}, out)
+    if size > 1:
+        dist.destroy_process_group()
+
+
+def test_the_engine_keeps_its_own_whole_copy_of_a_sharded_policy(setup, tmp_path):  # noqa: F811
+    """One rank: the engine generates with the policy module itself. Two: the policy is sharded, so the engine
+    loads its own plain copy, starting from the same weights, and a push after a step lands in it."""
+    cfg, _, _, rollouts, _ = setup
+    rollouts_file = tmp_path / "rollouts.pt"
+    torch.save(rollouts, rollouts_file)
+    seen = {}
+    for size in (1, 2):
+        out = str(tmp_path / f"engine{size}.pt")
+        mp.spawn(engine_beside_sharded_policy, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
+                                                                  str(rollouts_file), out))
+        seen[size] = torch.load(out, weights_only=False)
+    assert seen[1]["shares"] and not seen[2]["shares"] and seen[2]["plain"]
+    assert seen[2]["before"] == seen[1]["before"]  # the copy starts from the policy's weights
+    assert seen[2]["after"] == seen[2]["sent"] != seen[2]["before"]  # the step moved them and the push landed
 
 
 def free_port() -> int:

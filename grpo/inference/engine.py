@@ -11,6 +11,7 @@ from torchrl.modules.llm import TransformersWrapper
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.generation import (EngineSettings, InferenceEngine, generate_kwargs, inference_state_dict,
                                        weights_checksum)
+from grpo.process.world import is_sharded
 from grpo.training.models import load_causal_lm, torch_dtype
 
 
@@ -29,7 +30,8 @@ class TransformersInference:
     """Generation with transformers models and our decode loop (``grpo.inference.decoding``): an ``InferenceEngine``.
 
     When generation runs on the training device in the same dtype, it uses the training model
-    object itself, so updated weights are seen at once and a push costs nothing. Otherwise it loads
+    object itself, so updated weights are seen at once and a push costs nothing; not when the policy
+    is sharded over data-parallel ranks (each forward would gather from the others). Otherwise it loads
     its own copy on its device (in its dtype: a copy of float32 master weights would first need
     their full size again on the GPU) and a push copies the weights over: that is the default on a
     GPU, where float32 master weights train and a bfloat16 copy generates.
@@ -39,7 +41,7 @@ class TransformersInference:
         s = settings
         dtype = torch_dtype(s.dtype, device)
         param = None if policy_model is None else next(policy_model.parameters())
-        if param is not None and device == param.device and dtype == param.dtype:
+        if param is not None and device == param.device and dtype == param.dtype and not is_sharded(policy_model):
             self.model = policy_model
         else:
             self.model = load_causal_lm(s.model_name, tokenizer, dtype=dtype, device=device)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from grpo.process.world import whole
+from grpo.process.world import full, is_sharded
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,19 @@ def inference_state_dict(policy_model) -> dict[str, torch.Tensor]:
     """
     if hasattr(policy_model, "merge_and_unload"):
         return merged_state_dict(policy_model)
-    return whole(policy_model.state_dict())
+    if not is_sharded(policy_model):
+        return policy_model.state_dict()
+    # one gather per tensor, keyed by the parameter: a tied weight (the LM head sharing the embedding) stays
+    # one tensor under both names, as the engines and the checksum count it
+    names = policy_model.state_dict().keys()
+    gathered, state = {}, {}
+    for name, tensor in chain(policy_model.named_parameters(remove_duplicate=False),
+                              policy_model.named_buffers(remove_duplicate=False)):
+        if name in names:
+            if id(tensor) not in gathered:
+                gathered[id(tensor)] = full(tensor.detach())
+            state[name] = gathered[id(tensor)]
+    return state
 
 
 @torch.no_grad()

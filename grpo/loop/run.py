@@ -142,12 +142,13 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     ref_model = load_reference_model(cfg, tokenizer, devices.torch_device("ref"),
                                      shard_over=devices.ref) if cfg.train.use_kl_to_ref else None
     stop_ids = stop_token_ids(tokenizer, policy_model.generation_config)
+    # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
+    trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_ids)
     engine = make_inference(EngineSettings.from_config(cfg), policy_model, tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,
                         num_envs=min(cfg.eval.batch_size, num_eval_problems), shuffle=False)
-    trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_ids)
     if not eval_only:  # a disk that cannot hold one checkpoint would lose every step of the run at its end
         ckpt.check_free_space(run_dir, 3 * trainer.trainable_bytes(), "one checkpoint of this run (weights and AdamW)")
     logger = RunLogger(str(run_dir), cfg, config_record,

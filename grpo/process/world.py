@@ -100,6 +100,11 @@ def _for_comms(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def is_sharded(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds parameters sharded over ranks (FSDP2's DTensors)."""
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) value made whole on every rank; a plain tensor as it is."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
