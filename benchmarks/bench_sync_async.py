@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def run(script: str, run_dir: Path, overrides: list[str]) -> dict:
-    cmd = [sys.executable, str(REPO / "grpo" / script), "--config-name", "grpo_tiny", f"hydra.run.dir={run_dir}",
+def run(script: str, config_name: str, run_dir: Path, overrides: list[str]) -> dict:
+    cmd = [sys.executable, str(REPO / "grpo" / script), "--config-name", config_name, f"hydra.run.dir={run_dir}",
            *overrides]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -41,8 +41,12 @@ def summarize(result: dict, warmup: int, replies_per_step: int) -> dict:
     # wall time between logged steps: for async this includes overlap, for sync the full sequence
     step_s = sum(r["step_time_s"] for r in rows) / len(rows)
     tokens = sum(r["response_length"] for r in rows) / len(rows) * replies_per_step
-    out = {"samples_per_s": replies_per_step / step_s, "tokens_per_s": tokens / step_s, "step_s": step_s}
-    for key in ("generation_s", "reference_s", "train_s", "weight_sync_s", "trainer_wait_s", "policy_lag_mean"):
+    out = {"samples_per_s": replies_per_step / step_s, "tokens_per_s": tokens / step_s, "step_s": step_s,
+           "dropped_stale_batches": result["rows"][-1].get("dropped_stale_batches", 0),
+           "weight_pushes_verified": result["rows"][-1].get("weight_pushes_verified", 0),
+           "weight_pushes_mismatched": result["rows"][-1].get("weight_pushes_mismatched", 0)}
+    for key in ("generation_s", "reference_s", "train_s", "weight_sync_s", "trainer_wait_s", "policy_lag_mean",
+                "policy_lag_max", "collector_weight_apply_s", "gpu_peak_memory_gb"):
         vals = [r[key] for r in rows if key in r]
         if vals:
             out[key] = sum(vals) / len(vals)
@@ -54,6 +58,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2, help="steps left out of the averages")
     p.add_argument("--random-init-shape", default=None, help="e.g. qwen2.5-0.5b (GPU speed runs)")
+    p.add_argument("--config-name", default="grpo_tiny", help="the config both scripts run (grpo_gsm8k: the default job)")
     p.add_argument("--out", default=None, help="write the summary as JSON here")
     p.add_argument("overrides", nargs="*", help="Hydra overrides passed to both scripts")
     args = p.parse_args()
@@ -69,13 +74,14 @@ def main() -> None:
             overrides.append(f"model.name={model_dir}")
         from omegaconf import OmegaConf
 
-        replies = OmegaConf.merge(OmegaConf.load(REPO / "config" / "grpo_gsm8k.yaml"),
-                                  OmegaConf.load(REPO / "config" / "grpo_tiny.yaml"),
+        layers = [REPO / "config" / "grpo_gsm8k.yaml"] + ([REPO / "config" / f"{args.config_name}.yaml"]
+                                                          if args.config_name != "grpo_gsm8k" else [])
+        replies = OmegaConf.merge(*map(OmegaConf.load, layers),
                                   OmegaConf.from_dotlist([o for o in overrides if o.startswith("train.")]))
         replies_per_step = replies.train.dialog_turns_per_batch
         results = {}
         for mode, script in (("sync", "grpo.py"), ("async", "grpo-async.py")):
-            raw = run(script, tmp / mode, overrides)
+            raw = run(script, args.config_name, tmp / mode, overrides)
             results[mode] = summarize(raw, args.warmup, replies_per_step) | {"wall_s": raw["wall_s"]}
             print(f"== {mode}\n{raw['allocation']}")
             print("   " + "  ".join(f"{k}={v:.3f}" for k, v in results[mode].items()))

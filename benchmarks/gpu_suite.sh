@@ -7,6 +7,12 @@
 #   syncasync sync vs async, tiny config, train on GPU 0 / generation on GPU 1 (issue 4)
 #   syncasync_05b  the same on a random-init Qwen2.5-0.5B shape, 64 new tokens
 #   sharded   the training model split over both GPUs (device_map), 0.5B shape (issue 3)
+#   job_05b, job_15b  sync vs async on the default job (grpo_gsm8k, 128 replies x 512 tokens), random-init
+#             Qwen2.5-0.5B / 1.5B shapes, train GPU 0 / generation GPU 1, one optimiser step a batch,
+#             one-step off-policy (train.buffer_size=0, max_policy_lag 2) (issue 28)
+#   layouts   every two-GPU layout docs/devices.md documents, sync and async, compiled decode step, 0.5B shape
+#             (LAYOUTS picks some of: sync_split async_split sync_colocated sync_train_both)
+#   train_ranks  the train part on 1 and 2 data-parallel ranks (FSDP2), 1.5B shape (issue 30)
 # Usage: OUT=/some/dir PARTS="trl syncasync" bash benchmarks/gpu_suite.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -23,6 +29,39 @@ bench_vs_trl() {
   CUDA_VISIBLE_DEVICES=0 timeout "$limit" python3 benchmarks/bench_vs_trl.py "${trl_args[@]}" "$@" --out "$OUT/$name.json" \
     --workdir "$OUT/${name}_work" > "$OUT/$name.log" 2>&1
   echo "== $name rc=$?"; grep -v "^\[" "$OUT/$name.log" | tail -28
+}
+
+# the default job on a random-init shape, both scripts: job SHAPE TIMEOUT
+job() {
+  timeout "$2" python3 benchmarks/bench_sync_async.py --config-name grpo_gsm8k --random-init-shape "qwen2.5-$1" --steps 5 \
+    --warmup 2 --out "$OUT/job_$1.json" -- env.dataset=data/gsm8k_tiny inference_model.backend=transformers \
+    "train_model.devices=[0]" "inference_model.devices=[1]" train.optim_batch_size=128 train.buffer_size=0 \
+    train.max_policy_lag=2 eval.num_problems=16 eval.max_new_tokens=16 logging.export=false > "$OUT/job_$1.log" 2>&1
+  echo "== job_$1 rc=$?"; grep -v "^\[" "$OUT/job_$1.log" | tail -12
+}
+
+# one layout, 3 steps of the 0.5B shape with 64 new tokens: layout NAME SCRIPT [overrides]
+layout() {
+  local name=$1 script=$2; shift 2
+  timeout 150 python3 "grpo/$script" --config-name grpo_tiny train.total_steps=3 model.name=/tmp/q05 eval.frequency=0 \
+    eval.num_problems=16 eval.max_new_tokens=16 logging.progress_bar=false logger=none allow_cpu=false \
+    train_model.dtype=bfloat16 ref_model.dtype=bfloat16 inference_model.dtype=bfloat16 inference_model.compile=true \
+    inference_model.max_new_tokens=64 train.optim_batch_size=16 "hydra.run.dir=$OUT/layout_$name" "$@" \
+    > "$OUT/layout_$name.log" 2>&1
+  echo "== layout $name ($script $*) rc=$?"; grep -A3 "^Devices" "$OUT/layout_$name.log"; tail -2 "$OUT/layout_$name.log"
+  python3 -c "
+import json, sys
+rows = [json.loads(l) for l in open('$OUT/layout_$name/metrics.jsonl') if '\"step_time_s\"' in l]
+print('   step_time_s', [round(r['step_time_s'], 2) for r in rows], 'generation_s', [round(r.get('generation_s', 0), 2) for r in rows],
+      'pushes verified', rows[-1].get('weight_pushes_verified'))" 2>&1 | tail -2
+}
+
+build_05b() {
+  [ -d /tmp/q05 ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from bench_vs_trl import build_random_init_model
+build_random_init_model('qwen2.5-0.5b', 'assets/tiny-model', Path('/tmp/q05'), seed=0)" > /dev/null
 }
 
 for part in $PARTS; do
@@ -44,12 +83,23 @@ for part in $PARTS; do
         eval.num_problems=16 train_model.dtype=bfloat16 ref_model.dtype=bfloat16 inference_model.dtype=bfloat16 \
         inference_model.max_new_tokens=64 train.gradient_accumulation_steps=4 \
         > "$OUT/sync_async_05b.log" 2>&1; echo "== syncasync_05b rc=$?"; tail -12 "$OUT/sync_async_05b.log" ;;
+    job_05b) job 0.5b 330 ;;
+    job_15b) job 1.5b 560 ;;
+    layouts)
+      build_05b
+      for name in ${LAYOUTS:-sync_split async_split sync_colocated sync_train_both}; do
+        case $name in
+          sync_split) layout sync_split grpo.py ;;
+          async_split) layout async_split grpo-async.py ;;
+          sync_colocated) layout sync_colocated grpo.py inference_model.colocate=true ;;
+          sync_train_both) layout sync_train_both grpo.py train_model.num_devices=2 inference_model.colocate=true ;;
+        esac
+      done ;;
+    train_ranks)
+      timeout 300 python3 benchmarks/bench_train_ranks.py --ranks 2 --shape qwen2.5-1.5b > "$OUT/train_ranks.log" 2>&1
+      echo "== train_ranks rc=$?"; grep "^{" "$OUT/train_ranks.log"; grep -v "^{" "$OUT/train_ranks.log" | tail -5 ;;
     sharded)
-      python3 -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path
-from bench_vs_trl import build_random_init_model
-build_random_init_model('qwen2.5-0.5b', 'assets/tiny-model', Path('/tmp/q05'), seed=0)" > /dev/null
+      build_05b
       timeout 200 python3 grpo/grpo.py --config-name grpo_tiny train.total_steps=3 model.name=/tmp/q05 \
         eval.frequency=0 eval.num_problems=32 logging.progress_bar=false logger=none allow_cpu=false \
         train_model.dtype=bfloat16 ref_model.dtype=bfloat16 inference_model.dtype=bfloat16 \

@@ -110,7 +110,8 @@ def validate_config(cfg) -> None:
          f"{', '.join(VLLM_LOG_LEVELS)}.")
     need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")
     need(t.num_collectors >= 1, f"train.num_collectors={t.num_collectors} must be >= 1.")
-    need(t.buffer_size >= 1, f"train.buffer_size={t.buffer_size} must be >= 1 (batches the async FIFO holds).")
+    need(t.buffer_size >= 0, f"train.buffer_size={t.buffer_size} must be >= 0 (batches the async FIFO holds "
+         "beyond one a worker).")
     need(t.weight_update_frequency >= 1, f"train.weight_update_frequency={t.weight_update_frequency} must be >= 1.")
     need(type(t.max_worker_restarts) is int and t.max_worker_restarts >= 0, f"train.max_worker_restarts="
          f"{t.max_worker_restarts!r} must be a whole number >= 0 (0 = a failed rollout worker stops the run).")

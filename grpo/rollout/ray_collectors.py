@@ -26,7 +26,8 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import lazy_stack
 
-from grpo.inference.generation import EngineSettings, inference_state_dict, tensor_place, weights_checksum
+from grpo.inference.generation import EngineSettings, inference_state_dict, tensor_place
+from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.errors import UserError
 from grpo.process.setup import ray_pythonpath
 from grpo.tasks.data import PromptLedger, serve_from
@@ -38,7 +39,7 @@ GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s")
 
 @ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
 class RolloutWorker:
-    def __init__(self, cfg_dict: dict, worker_id: int, device: str, stop_ids: list[int], weights: dict, version: int,
+    def __init__(self, cfg_dict: dict, worker_id: int, device: str, stop_ids: list[int], weights, version: int,
                  checksum: int):
         from tensordict import set_list_to_stack
 
@@ -50,7 +51,7 @@ class RolloutWorker:
         set_list_to_stack(True).set()
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
-        torch_device = torch.device(device)
+        self.device = torch_device = torch.device(device)
         configure_attention_kernels(cfg)
         tokenizer = load_tokenizer(cfg.model.name)
         # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
@@ -62,10 +63,13 @@ class RolloutWorker:
         self.collector = make_collector(self.env, self.inference.policy, cfg.env.num_envs)
         self.batches = iter(self.collector)
         self._lock = threading.Lock()
-        self._pending = (weights, version, checksum)  # the trainer's weights when this worker was started
+        self._pending = (receive(weights, torch_device), version, checksum)  # the trainer's weights at its start
         self._idle_since = time.perf_counter()
 
-    def set_weights(self, weights: dict, version: int, checksum: int) -> None:
+    def set_weights(self, weights, version: int, checksum: int) -> None:
+        """New weights (``grpo.inference.weight_transfer``), applied before the next batch; returns once they are
+        this worker's own copy, while a batch may be generating."""
+        weights = receive(weights, self.device)
         with self._lock:
             self._pending = (weights, version, checksum)
 
@@ -117,7 +121,10 @@ class RolloutPool:
         self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         self._worker_args = (OmegaConf.to_container(cfg, resolve=True), [str(d) for d in devices], stop_ids)
-        self._weights = self._publish(self._snapshot(weights), version)  # what a (re)started worker begins with
+        snapshot = self._snapshot(weights)
+        # GPU to GPU where the workers share this host (Ray's one node), else through the object store
+        self.cuda_ipc = one_host() and all(t.is_cuda for t in snapshot.values()) and devices[0].type == "cuda"
+        self._weights = PublishedWeights(snapshot, version, self.cuda_ipc)  # what a (re)started worker begins with
         self.pushed_version = version
         self.workers = [self._start_worker(i) for i in range(cfg.train.num_collectors)]
         self.assigned: list[tuple[ray.ObjectRef, int, int]] = []  # (replies, worker, batch index), in assignment order
@@ -141,8 +148,10 @@ class RolloutPool:
                                     "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
                                     # read by the worker's first vLLM import, before its engine starts
                                     "VLLM_LOGGING_LEVEL": self.cfg.inference_model.vllm_log_level}}
+        published = self._weights
         return RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(
-            cfg_dict, worker_id, devices[worker_id % len(devices)], stop_ids, *self._weights)
+            cfg_dict, worker_id, devices[worker_id % len(devices)], stop_ids, published.message(), published.version,
+            published.checksum)
 
     def _assign(self) -> None:
         """Fill the pipeline: each new batch index goes to the worker holding the fewest."""
@@ -225,7 +234,7 @@ class RolloutPool:
         self.restarts += 1
         self.wait_for_push()  # a push in flight may be replacing the weights the new worker starts from
         print(f"rollout worker {worker} failed ({failure_reason(err)}); restart {self.restarts} of {limit}, with "
-              f"weights version {self._weights[1]}; its prompt batches {sorted(lost)} are generated again",
+              f"weights version {self._weights.version}; its prompt batches {sorted(lost)} are generated again",
               file=sys.stderr, flush=True)
         self.workers[worker] = self._start_worker(worker)
         self._assign()
@@ -241,15 +250,10 @@ class RolloutPool:
             snapshot[name] = copies[place]
         return snapshot
 
-    @staticmethod
-    def _publish(snapshot: dict, version: int) -> tuple:
-        checksum = weights_checksum(snapshot)  # where the weights are: on a GPU it takes milliseconds
-        return ray.put({k: v.cpu() for k, v in snapshot.items()}), version, checksum
-
     def push_weights(self, weights: dict, version: int) -> float:
         """Hand new weights to every worker; returns the seconds the trainer was held up.
 
-        The trainer only takes a snapshot; a thread checksums it, moves it to the host and sends it,
+        The trainer only takes a snapshot; a thread checksums it and sends it (``grpo.inference.weight_transfer``)
         while training goes on. Sending 1 GB through Ray's object store took 3.3 s on a 0.5B model,
         all of it blocking the trainer. At most one push is in flight: the next one waits for it and
         re-raises its error.
@@ -262,8 +266,8 @@ class RolloutPool:
 
     def _send(self, snapshot: dict, version: int) -> None:
         try:
-            self._weights = self._publish(snapshot, version)
-            for ref in [w.set_weights.remote(*self._weights) for w in self.workers]:
+            self._weights = published = PublishedWeights(snapshot, version, self.cuda_ipc)
+            for ref in [w.set_weights.remote(published.message(), version, published.checksum) for w in self.workers]:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError:

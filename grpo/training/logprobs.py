@@ -94,7 +94,8 @@ def _head_log_probs(head, hidden, targets, temperature: float, with_entropy: boo
     if temperature != 1.0:
         logits = logits / temperature
     lse = logits.logsumexp(-1)
-    token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
+    # a model split over GPUs may hold its head on the first GPU and return hidden states on its last
+    token_lp = logits.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
     if not with_entropy:
         return token_lp, None
     with torch.set_grad_enabled(entropy_grad):
