@@ -144,8 +144,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     check_prompt_text(cfg, tokenizer, splits)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
     trainer = make_trainer(cfg, tokenizer, devices, World.from_env())
-    policy_model = trainer.policy_model
-    stop_ids = stop_token_ids(tokenizer, policy_model.generation_config)
+    stop_ids = stop_token_ids(tokenizer, trainer.policy_model.generation_config)
     engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))

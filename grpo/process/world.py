@@ -89,14 +89,6 @@ class World:
             out[rank::self.size] = part[:len(range(rank, n_rows, self.size))].to(out.device)
         return out
 
-    def main_value(self, value):
-        """Rank 0's ``value`` (anything picklable) on every rank; the others' is ignored."""
-        if self.size == 1:
-            return value
-        message = [value]
-        dist.broadcast_object_list(message, src=0)
-        return message[0]
-
     def lead(self, command: str, *args) -> None:
         """Rank 0: name the collective every rank runs next, with its arguments; the other ranks wait for it
         in ``next_command``. Elsewhere (a follower running that command, a world of one): nothing."""
