@@ -29,15 +29,16 @@ from grpo.training import checkpoint as ckpt
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids, wrapper_chat_template
 
 
-def export_model(model, tokenizer, out_dir) -> Path:
+def export_model(model, tokenizer, out_dir, state: dict | None = None) -> Path:
     """Write ``model`` (transformers, or PEFT: adapters merged) and ``tokenizer`` into ``out_dir``, a new or
-    empty folder. The folder is written beside it and renamed into place: it is whole or absent."""
+    empty folder. The folder is written beside it and renamed into place: it is whole or absent. ``state``:
+    its weights as ``inference_state_dict`` gives them, if already at hand (gathered over data-parallel ranks)."""
     out_dir = Path(out_dir).resolve()
     check_empty(out_dir)
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # left by an export that was killed
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    state = inference_state_dict(model)  # HF names, LoRA merged
+    state = inference_state_dict(model) if state is None else state  # HF names, LoRA merged
     bad = ckpt.non_finite(state)
     if bad:
         raise ExportError(f"{len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}): no export written to {out_dir}.")

@@ -3,6 +3,7 @@
     python grpo/grpo.py                               # GSM8K, Qwen2.5, vLLM (GPU)
     python grpo/grpo.py --config-name grpo_tiny       # embedded tiny model, CPU, minutes
     python grpo/grpo.py --config-name grpo_tiny --multirun optimizer.lr=1e-4,3e-4
+    torchrun --nproc_per_node=2 grpo/grpo.py --config-name grpo_tiny   # 2 data-parallel trainer ranks
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 # `python grpo/grpo.py` puts grpo/ first on sys.path, where this file would shadow the grpo package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from grpo.loop.run import Run, start_run, train_loop  # noqa: E402
+from grpo.loop.run import Run, follow_run, start_run, train_loop  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402
+from grpo.process.world import World  # noqa: E402
 from grpo.rollout.local_rollouts import CollectorRollouts  # noqa: E402
 from grpo.tasks.data import PromptLedger  # noqa: E402
 from grpo.tasks.envs import make_collector, make_env  # noqa: E402
@@ -29,4 +31,7 @@ def train(cfg) -> Run:
 
 
 if __name__ == "__main__":
-    hydra_main(train)
+    if World.launched_main():  # alone, or rank 0 under torchrun: it generates, evaluates and writes the run
+        hydra_main(train)
+    else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
+        sys.exit(follow_run())

@@ -14,9 +14,9 @@ from torch.distributed.tensor import DTensor
 
 from conftest import compose
 from grpo.inference.engine import TransformersInference
-from grpo.inference.generation import EngineSettings, inference_state_dict, weights_checksum
+from grpo.inference.generation import EngineSettings, weights_checksum
 from grpo.process.setup import resolve_local_paths
-from grpo.process.world import World, full, is_sharded
+from grpo.process.world import World, is_sharded
 from grpo.training.batch import micro_batch_rows
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
@@ -43,66 +43,77 @@ def rank_trainer(rank: int, size: int, port: int, model_dir: str, data_dir: str)
 
 
 def whole_weights(trainer: Trainer) -> dict:
-    return {name: full(p.detach()) for name, p in trainer.policy_model.named_parameters()}
+    return trainer.checkpoint_state()["model"]  # every trained weight, gathered (led by rank 0)
+
+
+def lead_or_follow(world: World, trainer: Trainer, lead) -> None:
+    """Rank 0 runs ``lead``, each of the trainer's collectives named to the other ranks as a run's rank 0
+    does; the others follow until it ends."""
+    if world.is_main:
+        with world.leading():
+            lead()
+    else:
+        trainer.follow()
+    if world.size > 1:
+        dist.destroy_process_group()
 
 
 def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str):
-    """One rank: three GRPO steps on the same rollouts; rank 0 writes each step's metrics and the whole
-    weights after the last."""
+    """Three GRPO steps on the same rollouts; rank 0 writes each step's metrics and the whole weights after the last."""
     world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
     rollouts = torch.load(rollouts_file, weights_only=False)
-    metrics = [trainer.update(rollouts, step) for step in (1, 2, 3)]
-    weights = whole_weights(trainer)
-    pushed = inference_state_dict(trainer.policy_model)  # what a weight push sends the engines: every rank calls it
-    if world.is_main:
-        torch.save({"metrics": metrics, "weights": weights, "pushed": pushed}, out)
-    if size > 1:
-        dist.destroy_process_group()
+
+    def lead():
+        metrics = [trainer.update(rollouts, step) for step in (1, 2, 3)]
+        pushed = trainer.whole_weights()  # what a weight push from a sharded policy sends the engines
+        torch.save({"metrics": metrics, "weights": whole_weights(trainer), "pushed": pushed}, out)
+
+    lead_or_follow(world, trainer, lead)
 
 
 def checkpoint_and_go_on(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str,
                          ckpt_dir: str, resume: bool, out: str):
-    """One rank: either steps 1-3, a checkpoint (rank 0 writes it), then step 4; or the checkpoint
-    restored, then step 4. Rank 0 writes the whole weights after step 4."""
+    """Either steps 1-3, a checkpoint, then step 4; or the checkpoint restored (every rank reads it), then
+    step 4. Rank 0 writes the whole weights after step 4."""
     world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
     rollouts = torch.load(rollouts_file, weights_only=False)
-    if resume:
-        trainer.restore(load_checkpoint(list_checkpoints(Path(ckpt_dir))[-1]))
-    else:
-        for step in (1, 2, 3):
-            trainer.update(rollouts, step)
-        state = trainer.checkpoint_state()  # every rank: the shards are gathered
-        if world.is_main:
-            save_checkpoint(ckpt_dir, 3, state=state, resolved_config={},
+
+    def lead():
+        if resume:
+            path = list_checkpoints(Path(ckpt_dir))[-1]
+            trainer.restore(load_checkpoint(path), path)
+        else:
+            for step in (1, 2, 3):
+                trainer.update(rollouts, step)
+            save_checkpoint(ckpt_dir, 3, state=trainer.checkpoint_state(), resolved_config={},
                             counters={"step": 3, "policy_version": trainer.policy_version})
-    trainer.update(rollouts, 4)
-    weights = whole_weights(trainer)
-    if world.is_main:
-        torch.save(weights, out)
-    if size > 1:
-        dist.destroy_process_group()
+        trainer.update(rollouts, 4)
+        torch.save(whole_weights(trainer), out)
+
+    lead_or_follow(world, trainer, lead)
 
 
 def engine_beside_sharded_policy(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str,
                                  out: str):
-    """One rank: the transformers engine built on the trained (sharded) policy, then a step and a push;
-    rank 0 writes what the engine holds before and after."""
+    """The transformers engine built on the trained (sharded) policy, as a run's rank 0 builds it, then a step
+    and a push; rank 0 writes what the engine holds before and after."""
     world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
-    cfg = compose("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={data_dir}", *OVERRIDES])
-    tok = load_tokenizer(model_dir)
-    stop_ids = stop_token_ids(tok, trainer.policy_model.generation_config)
-    engine = TransformersInference(EngineSettings.from_config(cfg), trainer.policy_model, tok, torch.device("cpu"),
-                                   stop_ids)
-    shares = engine.model is trainer.policy_model
-    before = engine.weights_checksum()
-    trainer.update(torch.load(rollouts_file, weights_only=False), step=1)
-    sent = inference_state_dict(trainer.policy_model)  # every rank: the shards are gathered
-    engine.push_weights(sent, version=trainer.policy_version)
-    if world.is_main:
+
+    def lead():
+        cfg = compose("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={data_dir}", *OVERRIDES])
+        tok = load_tokenizer(model_dir)
+        stop_ids = stop_token_ids(tok, trainer.policy_model.generation_config)
+        engine = TransformersInference(EngineSettings.from_config(cfg), trainer.engine_weights(), tok,
+                                       torch.device("cpu"), stop_ids)
+        shares = engine.model is trainer.policy_model
+        before = engine.weights_checksum()
+        trainer.update(torch.load(rollouts_file, weights_only=False), step=1)
+        sent = trainer.whole_weights()  # sharded: gathered on every rank
+        engine.push_weights(sent, version=trainer.policy_version)
         torch.save({"shares": shares, "plain": not is_sharded(engine.model), "before": before,
                     "after": engine.weights_checksum(), "sent": weights_checksum(sent)}, out)
-    if size > 1:
-        dist.destroy_process_group()
+
+    lead_or_follow(world, trainer, lead)
 
 
 def test_the_engine_keeps_its_own_whole_copy_of_a_sharded_policy(setup, tmp_path):  # noqa: F811

@@ -17,8 +17,9 @@ from grpo.training.models import load_causal_lm, torch_dtype
 
 def make_inference(settings: EngineSettings, policy_model, tokenizer, device: torch.device,
                    stop_ids: list[int]) -> InferenceEngine:
-    """The generation engine ``settings.backend`` names. It starts with ``policy_model``'s weights, or with
-    ``None`` (a rollout worker, sent its weights later) with those of the ``settings.model_name`` files."""
+    """The generation engine ``settings.backend`` names. It starts with ``policy_model``'s weights (a model, or
+    an HF state dict), or with ``None`` (a rollout worker, sent its weights later) with those of the
+    ``settings.model_name`` files."""
     if settings.backend == "transformers":
         return TransformersInference(settings, policy_model, tokenizer, device, stop_ids)
     from grpo.inference.vllm_backend import VLLMInference
@@ -38,9 +39,10 @@ class TransformersInference:
     """
 
     def __init__(self, settings: EngineSettings, policy_model, tokenizer, device: torch.device, stop_ids: list[int]):
+        """``policy_model``: the weights to start with, a model or an HF state dict (``None``: the files')."""
         s = settings
         dtype = torch_dtype(s.dtype, device)
-        param = None if policy_model is None else next(policy_model.parameters())
+        param = next(policy_model.parameters()) if isinstance(policy_model, torch.nn.Module) else None
         if param is not None and device == param.device and dtype == param.dtype and not is_sharded(policy_model):
             self.model = policy_model
         else:

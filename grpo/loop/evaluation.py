@@ -54,7 +54,7 @@ class Evaluator:
             return
         t0 = time.perf_counter()
         if self.engine.version != trainer.policy_version:  # rollout workers elsewhere got the weights, it did not
-            self.engine.push_weights(trainer.policy_model, trainer.policy_version)
+            self.engine.push_weights(trainer.engine_weights(), trainer.policy_version)
         result = evaluate(self.env, self.engine.greedy_policy, self.num_problems, self.fields, self.stop_ids)
         logger.log({"step": step, **result, "eval/time_s": time.perf_counter() - t0})
         shown = "".join(f" {name.removeprefix('eval/')} {result[name]:.3f}" for name in EVAL_SHOWN if name in result)

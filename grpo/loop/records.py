@@ -55,11 +55,12 @@ class RunRecords:
     def last_checkpoint_note(self) -> str:
         return checkpoint_note(self.last_checkpoint, self.run_dir)
 
-    def export(self, step: int, policy_model, tokenizer) -> None:
-        """``<run dir>/export``: the policy as a Hugging Face folder (a resumed run's replaces the earlier one)."""
+    def export(self, step: int, policy_model, weights: dict, tokenizer) -> None:
+        """``<run dir>/export``: the policy, with ``weights`` (``Trainer.whole_weights``), as a Hugging Face folder
+        (a resumed run's replaces the earlier one)."""
         export_dir = self.run_dir / "export"
         shutil.rmtree(export_dir, ignore_errors=True)
-        self.export_dir = export_model(policy_model, tokenizer, export_dir)
+        self.export_dir = export_model(policy_model, tokenizer, export_dir, state=weights)
         tqdm.write(f"step {step}: exported the policy to {export_dir}")
 
     def summary(self, ended: str) -> str:

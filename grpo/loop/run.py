@@ -4,11 +4,14 @@ source (``grpo.rollout.local_rollouts`` says what one does), and ``guard`` is th
     start_run:  config and data checks, devices, seeds, run dir and resume, models, engine, eval, logger
     train_loop: eval; for each step: rollouts -> update -> commit -> weights to the engines -> log,
                 eval and checkpoint when due; at the end eval, checkpoint and export
+
+Under torchrun this is rank 0's run; ``follow_run`` is the other ranks' (``grpo/process/world.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +20,7 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+from tensordict import set_list_to_stack
 from tqdm import tqdm
 
 from grpo.inference.engine import make_inference
@@ -30,6 +34,7 @@ from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import ConfigError, UserError
 from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths,
                                 resolved_config, seed_everything, write_hydra_record)
+from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.tasks.envs import load_splits, make_env, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
@@ -134,17 +139,13 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
               f"into {run_dir}", flush=True)
     config_record = resolved_config(cfg) | {"device_allocation": devices.as_dict()}
 
-    configure_attention_kernels(cfg)
     tokenizer = load_tokenizer(cfg.model.name)
     check_prompt_lengths(cfg, tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
     check_prompt_text(cfg, tokenizer, splits)
-    policy_model = load_policy_model(cfg, tokenizer, devices.torch_device("train"), shard_over=devices.train)
-    ref_model = load_reference_model(cfg, tokenizer, devices.torch_device("ref"),
-                                     shard_over=devices.ref) if cfg.train.use_kl_to_ref else None
-    stop_ids = stop_token_ids(tokenizer, policy_model.generation_config)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
-    trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, stop_token_ids=stop_ids)
-    engine = make_inference(EngineSettings.from_config(cfg), policy_model, tokenizer, stop_ids=stop_ids,
+    trainer = make_trainer(cfg, tokenizer, devices, World.from_env())
+    stop_ids = stop_token_ids(tokenizer, trainer.policy_model.generation_config)
+    engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,
@@ -160,14 +161,42 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     evaluator = Evaluator(cfg, eval_env, engine, num_problems=num_eval_problems, fields=task_of(cfg).eval_fields,
                           stop_ids=stop_ids, last_eval_step=None if eval_only else counters["last_eval_step"])
     if payload:  # eval only: the checkpoint is evaluated here
-        trainer.restore(payload)  # RNG states last of all
-        engine.push_weights(policy_model, trainer.policy_version)
+        trainer.restore(payload, last_checkpoint[1])  # RNG states last of all
+        engine.push_weights(trainer.engine_weights(), trainer.policy_version)
     # this process's GPUs; with dedicated inference its own engine (eval only) sits on the training GPU
     gpu_ids = sorted({*devices.train, *devices.ref, *([] if dedicated_inference else devices.inference)})
     records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids)
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
                evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
+
+
+def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Trainer:
+    """The policy (sharded over ``world``'s ranks), the frozen reference and the GRPO step; rank 0 then has
+    the other ranks build the same (``follow_run``)."""
+    configure_attention_kernels(cfg)
+    policy_model = load_policy_model(cfg, tokenizer, devices.torch_device("train"), shard_over=devices.train)
+    ref_model = load_reference_model(cfg, tokenizer, devices.torch_device("ref"),
+                                     shard_over=devices.ref) if cfg.train.use_kl_to_ref else None
+    trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id,
+                      stop_token_ids=stop_token_ids(tokenizer, policy_model.generation_config), world=world)
+    world.lead("start", cfg, devices)
+    return trainer
+
+
+def follow_run() -> int:
+    """A data-parallel rank other than 0 under torchrun: no config, run dir, engine or output of its own. It
+    builds the trainer rank 0 built, from the config rank 0 checked and sends, then runs each collective
+    rank 0 leads (``Trainer.follow``); returns the exit status rank 0 ends with."""
+    set_list_to_stack(True).set()
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # torchrun forwards them to every rank
+        signal.signal(signum, signal.SIG_IGN)  # rank 0 alone decides: it checkpoints, then leads the stop
+    world = World.from_env()
+    command, args = world.next_command()
+    if command == "stop":  # rank 0 ended before it trained: a bad config or data set, say
+        return args[0]
+    cfg, devices = args
+    return make_trainer(cfg, load_tokenizer(cfg.model.name), devices, world).follow()
 
 
 def train_loop(run: Run, source) -> Run:
@@ -185,7 +214,7 @@ def train_loop(run: Run, source) -> Run:
                     dynamic=cfg.train.dynamic_sampling, max_extra_batches=cfg.train.max_extra_generation_batches)
                 metrics = run.train_on(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
                 source.commit()                   # its prompt batches now count as trained
-                metrics |= source.after_update(run.trainer.policy_model, run.trainer.policy_version)
+                metrics |= source.after_update(run.trainer.engine_weights(), run.trainer.policy_version)
                 run.records.log_step(step, metrics | filtering | source.step_metrics(), t0)
                 run.evaluate_if_due()
                 run.checkpoint_if_due(source.state)
@@ -221,7 +250,7 @@ def guard(run: Run, source):
         if not run.eval_only:
             run.checkpoint_if_due(source.state, force=True)
             if run.cfg.logging.export:
-                records.export(run.step, trainer.policy_model, run.tokenizer)
+                records.export(run.step, trainer.policy_model, trainer.whole_weights(), run.tokenizer)
         exit_code, ended = 0, "evaluated (train.total_steps=0)" if run.eval_only else "finished"
     except StopRequested as stop:
         tqdm.write(f"stopping after step {run.step}: {stop}; writing a checkpoint")

@@ -19,17 +19,19 @@ from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
 from grpo.process.errors import ConfigError, clear_errors
+from grpo.process.world import World
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def hydra_main(train) -> None:
-    """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default)."""
+    """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default).
+    Under torchrun this is rank 0, and the other ranks stop with it however it ends."""
 
     @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "config"), config_name="grpo_gsm8k")
     def main(cfg) -> None:
         set_list_to_stack(True).set()
-        with clear_errors():
+        with World.from_env().leading(), clear_errors():
             train(cfg)
 
     main()

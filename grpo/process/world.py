@@ -6,10 +6,17 @@ Every rank holds the whole step's batch (a few MB of token ids) and trains on ro
 of each micro-batch, cut from the minibatch the same way on every rank: the ranks then run the same
 number of forward/backward passes, which FSDP2's collectives need, and the loss is exact whatever
 the number of ranks (each term a sum divided by the global minibatch's totals; gradients summed).
+
+Rank 0 leads a run: it generates, evaluates and writes everything (metrics, samples, checkpoints, the
+export). The other ranks follow (``Trainer.follow``): each waits for rank 0 to name the next collective
+(a GRPO step on the batch it sends, a state gather for a checkpoint or a weight push, or the end of the
+run), so a rank never needs to know the run's schedule, and a failure on rank 0 between collectives
+still reaches the others as a stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -32,8 +39,15 @@ class World:
         if size == 1:
             return cls()
         if not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # NCCL's objects travel via this GPU
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         return cls(rank=dist.get_rank(), size=dist.get_world_size())
+
+    @staticmethod
+    def launched_main() -> bool:
+        """Whether this process is rank 0 of what its launcher started (or runs alone), before any group is joined."""
+        return os.environ.get("RANK", "0") == "0"
 
     @property
     def is_main(self) -> bool:
@@ -74,6 +88,32 @@ class World:
         for rank, part in enumerate(parts):
             out[rank::self.size] = part[:len(range(rank, n_rows, self.size))].to(out.device)
         return out
+
+    def lead(self, command: str, *args) -> None:
+        """Rank 0: name the collective every rank runs next, with its arguments; the other ranks wait for it
+        in ``next_command``. Elsewhere (a follower running that command, a world of one): nothing."""
+        if self.size > 1 and self.is_main:
+            dist.broadcast_object_list([(command, args)], src=0)
+
+    @contextlib.contextmanager
+    def leading(self):
+        """Rank 0's run: however it ends, the other ranks are told to stop, with its exit status."""
+        status = 1
+        try:
+            yield
+            status = 0
+        except SystemExit as end:
+            status = end.code if isinstance(end.code, int) else 1
+            raise
+        finally:
+            with contextlib.suppress(RuntimeError):  # a rank that is gone already (its failure ended the run)
+                self.lead("stop", status)
+
+    def next_command(self) -> tuple[str, tuple]:
+        """A rank other than 0: the next collective rank 0 leads (``lead``), as (command, args)."""
+        message = [None]
+        dist.broadcast_object_list(message, src=0)
+        return message[0]
 
     def shard(self, scorer: torch.nn.Module) -> torch.nn.Module:
         """FSDP2 over the ranks: each decoder layer of ``scorer.model`` one unit, ``scorer`` (a

@@ -5,7 +5,8 @@ A rollout source (this one, and the Ray pool of ``ray_collectors.RolloutPool``) 
 
     next_rollouts(trainer_version)  one collection of whole groups
     commit()                        the step that took them finished: their prompts count as trained
-    after_update(policy, version)   hand the engines the new weights when due; returns the push's metrics
+    after_update(weights, version)  hand the engines the new weights (Trainer.engine_weights) when due; returns
+                                    the push's metrics
     step_metrics()                  how generation went since the last call
     state()                         what a checkpoint keeps of it (the prompt stream)
     shutdown()
@@ -43,8 +44,8 @@ class CollectorRollouts:
         self.ledger.consume(self.taken)
         self.taken.clear()
 
-    def after_update(self, policy_model, version: int) -> dict:
-        return {"weight_sync_s": self.engine.push_weights(policy_model, version)}
+    def after_update(self, weights, version: int) -> dict:
+        return {"weight_sync_s": self.engine.push_weights(weights, version)}
 
     def step_metrics(self) -> dict:
         generation_s, self.generation_s = self.generation_s, 0.0

@@ -3,11 +3,14 @@ keeps and the one fact the crash policy needs: whether an update is half done.""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
-from grpo.process.world import World
+from grpo.inference.generation import inference_state_dict
+from grpo.process.errors import UserError
+from grpo.process.world import World, is_sharded
 from grpo.training import checkpoint as ckpt
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.step import GRPOSettings, GRPOStep
@@ -20,12 +23,14 @@ class Trainer:
     ``completed_step`` / ``completed_rng``: the last GRPO step whose update finished, and the RNG states
     right after it: what an emergency checkpoint may keep. ``half_updated``: an optimiser step ran in
     a GRPO step that has not finished, so the weights are neither the old nor the new ones.
-    On several ranks (``world``) the policy is sharded (FSDP2) and each rank trains on its share.
+    On several ranks (``world``) the policy is sharded (FSDP2) and each rank trains on its share: every
+    method that is a collective then has rank 0 name it first (``World.lead``), and the other ranks
+    run it when told (``follow``).
     """
 
     def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, stop_token_ids: list[int],
                  world: World = World()):
-        self.policy_model = policy_model
+        self.policy_model, self.world = policy_model, world
         settings = GRPOSettings.from_config(cfg)
         scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature))  # before the optimiser: it holds the shards
         self.optimizer = make_optimizer(cfg, policy_model)
@@ -39,8 +44,10 @@ class Trainer:
         # an optimiser step marks the weights half updated until ``update`` returns (restoring takes no step)
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
 
-    def restore(self, payload: dict) -> None:
-        """Weights, optimiser, schedule and counters of a checkpoint, and its RNG states (last of all)."""
+    def restore(self, payload: dict, path) -> None:
+        """Weights, optimiser, schedule and counters of a checkpoint, and its RNG states (last of all).
+        ``path``: the checkpoint ``payload`` was read from, which the other ranks read too."""
+        self.world.lead("restore", str(path))
         ckpt.restore_training_state(payload, model=self.policy_model, optimizer=self.optimizer,
                                     scheduler=self.scheduler)
         self.policy_version = payload["counters"]["policy_version"]
@@ -48,13 +55,43 @@ class Trainer:
 
     def checkpoint_state(self) -> dict:
         """Weights, optimiser and schedule as a checkpoint keeps them: whole, whatever the number of ranks."""
+        self.world.lead("checkpoint_state")
         return ckpt.training_state(self.policy_model, self.optimizer, self.scheduler)
 
+    def whole_weights(self) -> dict:
+        """The policy's weights under their HF names, LoRA merged (``inference_state_dict``): what an export
+        writes; gathered on every rank when sharded."""
+        self.world.lead("whole_weights")
+        return inference_state_dict(self.policy_model)
+
+    def engine_weights(self):
+        """What a weight push sends: the policy itself (an engine beside it on its device and dtype shares it),
+        or, sharded over ranks, its whole weights."""
+        return self.whole_weights() if is_sharded(self.policy_model) else self.policy_model
+
     def update(self, rollouts, step: int) -> dict:
+        # the other ranks step on rank 0's rollouts, pickled whole: a few MB of token ids and texts per step
+        self.world.lead("update", rollouts, step)
         metrics = self.grpo_step(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
         self.policy_version += metrics["optim_steps"]
         self.completed_step, self.completed_rng, self.half_updated = step, ckpt.rng_state(), False
         return metrics | {"policy_version": self.policy_version}
+
+    def follow(self) -> int:
+        """A rank other than 0: run each collective rank 0 leads until it leads the end of the run, and return
+        the exit status it ends with. A user error raised in a command (a NaN reward, a NaN gradient norm) is
+        raised on rank 0 too, from the same rollouts and global norm: rank 0 reports it and leads what follows
+        (an emergency checkpoint, the end). Any other error ends this rank, which closes its connections: rank
+        0's next collective then fails at once instead of waiting for gloo's timeout."""
+        commands = {"update": self.update, "checkpoint_state": self.checkpoint_state,
+                    "whole_weights": self.whole_weights,
+                    "restore": lambda path: self.restore(ckpt.load_checkpoint(path), path)}
+        while True:
+            command, args = self.world.next_command()
+            if command == "stop":
+                return args[0]
+            with contextlib.suppress(UserError):
+                commands[command](*args)
 
     def weights_finite(self) -> bool:
         return all(p.isfinite().all() for group in self.optimizer.param_groups for p in group["params"])
