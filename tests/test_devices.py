@@ -377,3 +377,32 @@ def test_ref_fallback_is_noted():
     a = allocate(make_cfg("train_model.num_devices=2"), 3, SYNC)
     assert a.ref == a.train and "no free GPU" in a.notes["ref"] and "no free GPU" in a.describe()
     assert "colocate" in allocate(make_cfg("ref_model.colocate=true"), 3, SYNC).notes["ref"]
+
+
+@pytest.mark.parametrize("overrides,ranks,expected", [
+    # 2 ranks on 2 train GPUs, the reference beside each, generation on GPU 0 (rank 0's engine)
+    (["train_model.num_devices=2", "ref_model.colocate=true", "inference_model.colocate=true"], 2,
+     [([0], [0], [0]), ([1], [1], [0])]),
+    # the reference on a GPU of its own stays there for every rank
+    (["train_model.num_devices=2", "ref_model.num_devices=1", "ref_model.colocate=false"], 2,
+     [([0], [3], [2]), ([1], [3], [2])]),
+])
+def test_each_rank_trains_on_its_own_gpu(overrides, ranks, expected):
+    alloc = allocate(make_cfg(*overrides), 4, SYNC)
+    for rank, (train, ref, inference) in enumerate(expected):
+        own = alloc.for_rank(rank, ranks)
+        assert (own.train, own.ref, own.inference) == (train, ref, inference)
+
+
+def test_a_world_of_one_and_the_cpu_keep_the_allocation():
+    alloc = allocate(make_cfg("train_model.num_devices=2"), 3, SYNC)
+    assert alloc.for_rank(0, 1) is alloc
+    cpu = allocate(make_cfg("allow_cpu=true"), 0, SYNC)
+    assert cpu.for_rank(1, 2) is cpu
+
+
+def test_ranks_and_train_gpus_must_match():
+    alloc = allocate(make_cfg(), 2, SYNC)  # train on GPU 0 alone
+    with pytest.raises(DeviceAllocationError, match=r"torchrun started 2 trainer ranks but train_model has 1 GPU\(s\) "
+                                                    r"\[0\].*Fix: train_model.num_devices=2"):
+        alloc.for_rank(1, 2)

@@ -175,9 +175,10 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
     """The policy (sharded over ``world``'s ranks), the frozen reference and the GRPO step; rank 0 then has
     the other ranks build the same (``follow_run``)."""
     configure_attention_kernels(cfg)
-    policy_model = load_policy_model(cfg, tokenizer, devices.torch_device("train"), shard_over=devices.train)
-    ref_model = load_reference_model(cfg, tokenizer, devices.torch_device("ref"),
-                                     shard_over=devices.ref) if cfg.train.use_kl_to_ref else None
+    own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
+    policy_model = load_policy_model(cfg, tokenizer, own.torch_device("train"), shard_over=own.train)
+    ref_model = load_reference_model(cfg, tokenizer, own.torch_device("ref"),
+                                     shard_over=own.ref) if cfg.train.use_kl_to_ref else None
     trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id,
                       stop_token_ids=stop_token_ids(tokenizer, policy_model.generation_config), world=world)
     world.lead("start", cfg, devices)

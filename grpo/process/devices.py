@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -46,6 +46,19 @@ class DeviceAllocation:
             raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
         ids = getattr(self, role)
         return torch.device("cuda", ids[0]) if ids else torch.device("cpu")
+
+    def for_rank(self, rank: int, size: int) -> DeviceAllocation:
+        """What data-parallel rank ``rank`` of ``size`` (torchrun) trains on: one train GPU a rank, its own, and
+        the reference beside it where it shares the train GPUs (each rank scores its share of the rows). A
+        world of one, or the CPU: this allocation."""
+        if size == 1 or self.cpu:
+            return self
+        if len(self.train) != size:
+            raise DeviceAllocationError(f"torchrun started {size} trainer ranks but train_model has {len(self.train)} "
+                                        f"GPU(s) {_ids(self.train)}: each rank trains on one. Fix: train_model."
+                                        f"num_devices={size} (or --nproc_per_node={len(self.train)})")
+        own = [self.train[rank]]
+        return replace(self, train=own, ref=own if self.ref == self.train else self.ref)
 
     def torch_devices(self, role: str) -> list[torch.device]:
         """Every GPU of ``role``, or ``[cpu]`` when it has none."""

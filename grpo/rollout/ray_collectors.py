@@ -171,13 +171,14 @@ class RolloutPool:
         self.ledger.consume(self.taken)
         self.taken = []
 
-    def after_update(self, policy_model, version: int) -> dict:
+    def after_update(self, weights, version: int) -> dict:
         """A push every ``train.weight_update_frequency`` optimiser steps (``grpo.rollout.local_rollouts``: what a
-        rollout source does)."""
+        rollout source does); ``weights``: the policy, or its whole weights (``Trainer.engine_weights``)."""
         if version - self.pushed_version < self.cfg.train.weight_update_frequency:
             return {}
         self.pushed_version = version
-        return {"weight_sync_s": self.push_weights(inference_state_dict(policy_model), version=version)}
+        state = weights if isinstance(weights, dict) else inference_state_dict(weights)
+        return {"weight_sync_s": self.push_weights(state, version=version)}
 
     def state(self) -> dict:
         return {"prompt_stream": self.ledger.state()}
