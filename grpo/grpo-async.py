@@ -8,6 +8,7 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
     python grpo/grpo-async.py --config-name grpo_tiny     # CPU, local Ray
     python grpo/grpo-async.py ray.address=auto            # join a running cluster
+    torchrun --nproc_per_node=2 grpo/grpo-async.py --config-name grpo_tiny   # 2 data-parallel trainer ranks
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import ray  # noqa: E402
 
-from grpo.inference.generation import inference_state_dict  # noqa: E402
-from grpo.loop.run import Run, start_run, train_loop  # noqa: E402
+from grpo.loop.run import Run, follow_run, start_run, train_loop  # noqa: E402
 from grpo.process.setup import hydra_main, ray_pythonpath  # noqa: E402
+from grpo.process.world import World  # noqa: E402
 from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
 from grpo.tasks.data import PromptLedger  # noqa: E402
 
@@ -35,11 +36,14 @@ def train(cfg) -> Run:
     run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
     try:
         pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,  # on resume: its weights
-                           inference_state_dict(run.trainer.policy_model), run.trainer.policy_version)
+                           run.trainer.engine_weights(), run.trainer.policy_version)
         return train_loop(run, pool)
     finally:
         ray.shutdown()
 
 
 if __name__ == "__main__":
-    hydra_main(train)
+    if World.launched_main():  # alone, or rank 0 under torchrun: it runs the rollout workers, evaluates and writes
+        hydra_main(train)
+    else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
+        sys.exit(follow_run())

@@ -110,18 +110,24 @@ def failure_reason(err: ray.exceptions.RayError) -> str:
     return str(err).strip().splitlines()[0]
 
 
+def engine_state(weights) -> dict:
+    """HF-named tensors of ``Trainer.engine_weights``: the policy itself, or its whole weights gathered over ranks."""
+    return weights if isinstance(weights, dict) else inference_state_dict(weights)
+
+
 class RolloutPool:
     """Starts the workers, assigns them prompt batches, hands the trainer their replies, pushes
     weights, and replaces workers that fail."""
 
-    def __init__(self, cfg, devices: list[torch.device], stop_ids: list[int], ledger: PromptLedger, weights: dict,
+    def __init__(self, cfg, devices: list[torch.device], stop_ids: list[int], ledger: PromptLedger, weights,
                  version: int):
+        """``weights``: what the workers start from (``Trainer.engine_weights``)."""
         self.cfg, self.ledger = cfg, ledger
         self.batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
         self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         self._worker_args = (OmegaConf.to_container(cfg, resolve=True), [str(d) for d in devices], stop_ids)
-        snapshot = self._snapshot(weights)
+        snapshot = self._snapshot(engine_state(weights))
         # GPU to GPU where the workers share this host (Ray's one node), else through the object store
         self.cuda_ipc = one_host() and all(t.is_cuda for t in snapshot.values()) and devices[0].type == "cuda"
         self._weights = PublishedWeights(snapshot, version, self.cuda_ipc)  # what a (re)started worker begins with
@@ -177,8 +183,7 @@ class RolloutPool:
         if version - self.pushed_version < self.cfg.train.weight_update_frequency:
             return {}
         self.pushed_version = version
-        state = weights if isinstance(weights, dict) else inference_state_dict(weights)
-        return {"weight_sync_s": self.push_weights(state, version=version)}
+        return {"weight_sync_s": self.push_weights(engine_state(weights), version=version)}
 
     def state(self) -> dict:
         return {"prompt_stream": self.ledger.state()}
