@@ -60,9 +60,7 @@ def rank_main(args) -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL sends from the current device
-    world = World.from_env()
+    world = World.from_env()  # on GPUs: LOCAL_RANK's device is the current one, which NCCL sends from
     with initialize_config_dir(str(REPO / "config"), version_base=None):
         cfg = compose("grpo_gsm8k", [f"model.name={args.model_dir}", f"inference_model.max_new_tokens={args.max_new_tokens}",
                                      f"train.dialog_turns_per_batch={args.replies}", f"env.repeats={args.group}"])
