@@ -9,8 +9,7 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from grpo.inference.decoding import ReplySampler
-from grpo.inference.generation import (EngineSettings, InferenceEngine, generate_kwargs, inference_state_dict,
-                                       weights_checksum)
+from grpo.inference.generation import EngineSettings, InferenceEngine, as_state_dict, generate_kwargs, weights_checksum
 from grpo.process.world import is_sharded
 from grpo.training.models import load_causal_lm, torch_dtype
 
@@ -62,7 +61,7 @@ class TransformersInference:
         """Make generation use new weights (a model, or a plain HF state dict); returns the seconds it took."""
         start = time.perf_counter()
         if source is not self.model:  # the very same module needs no copy
-            weights = source if isinstance(source, dict) else inference_state_dict(source)
+            weights = as_state_dict(source)
             for name, tensor in self.model.state_dict().items():
                 tensor.copy_(weights[name])
         self.version = version

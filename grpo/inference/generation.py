@@ -106,6 +106,12 @@ def inference_state_dict(policy_model) -> dict[str, torch.Tensor]:
     return state
 
 
+def as_state_dict(source) -> dict[str, torch.Tensor]:
+    """The HF-named weights a push sends: a state dict as it is, a model (or a whole ``Trainer.engine_weights``
+    of a sharded one, already a dict) through ``inference_state_dict``."""
+    return source if isinstance(source, dict) else inference_state_dict(source)
+
+
 @torch.no_grad()
 def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
     """HF-named state dict of a PEFT (LoRA) model with the active adapters merged in.

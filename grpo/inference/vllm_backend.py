@@ -17,7 +17,7 @@ from functools import partial
 import torch
 from torchrl.modules.llm import vLLMWrapper
 
-from grpo.inference.generation import EngineSettings, generate_kwargs, inference_state_dict, weights_checksum
+from grpo.inference.generation import EngineSettings, as_state_dict, generate_kwargs, weights_checksum
 from grpo.process.errors import ConfigError
 from grpo.training.models import torch_dtype
 
@@ -296,7 +296,7 @@ class VLLMInference:
 
     def push_weights(self, source, version: int) -> float:
         """Copy new weights (a model, a peft model or an HF state dict) into the engine; seconds."""
-        seconds = push_weights(self.llm, source if isinstance(source, dict) else inference_state_dict(source))
+        seconds = push_weights(self.llm, as_state_dict(source))
         self.version = version
         return seconds
 

@@ -26,7 +26,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import lazy_stack
 
-from grpo.inference.generation import EngineSettings, inference_state_dict, tensor_place
+from grpo.inference.generation import EngineSettings, as_state_dict, tensor_place
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.errors import UserError
 from grpo.process.setup import ray_pythonpath
@@ -110,11 +110,6 @@ def failure_reason(err: ray.exceptions.RayError) -> str:
     return str(err).strip().splitlines()[0]
 
 
-def engine_state(weights) -> dict:
-    """HF-named tensors of ``Trainer.engine_weights``: the policy itself, or its whole weights gathered over ranks."""
-    return weights if isinstance(weights, dict) else inference_state_dict(weights)
-
-
 class RolloutPool:
     """Starts the workers, assigns them prompt batches, hands the trainer their replies, pushes
     weights, and replaces workers that fail."""
@@ -127,7 +122,7 @@ class RolloutPool:
         self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         self._worker_args = (OmegaConf.to_container(cfg, resolve=True), [str(d) for d in devices], stop_ids)
-        snapshot = self._snapshot(engine_state(weights))
+        snapshot = self._snapshot(as_state_dict(weights))
         # GPU to GPU where the workers share this host (Ray's one node), else through the object store
         self.cuda_ipc = one_host() and all(t.is_cuda for t in snapshot.values()) and devices[0].type == "cuda"
         self._weights = PublishedWeights(snapshot, version, self.cuda_ipc)  # what a (re)started worker begins with
@@ -183,7 +178,7 @@ class RolloutPool:
         if version - self.pushed_version < self.cfg.train.weight_update_frequency:
             return {}
         self.pushed_version = version
-        return {"weight_sync_s": self.push_weights(engine_state(weights), version=version)}
+        return {"weight_sync_s": self.push_weights(as_state_dict(weights), version=version)}
 
     def state(self) -> dict:
         return {"prompt_stream": self.ledger.state()}
