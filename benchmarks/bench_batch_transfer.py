@@ -5,10 +5,13 @@
     python benchmarks/bench_batch_transfer.py --replies 64 --max-new-tokens 64 --no-ray
 
 A real TorchRL collector over the tiny model (``config/grpo_tiny``) generates ``--replies`` replies of
-exactly ``--max-new-tokens`` tokens each (no stop token ends them early), as a rollout worker does. Each
-form a worker could return is then timed: ``pickle.dumps`` (the worker's side), ``pickle.loads`` (the
-trainer's) and the bytes between them, and, unless ``--no-ray``, ``ray.put`` / ``ray.get`` through a local
-Ray object store (what a Ray actor's return goes through). Best of ``--repeats`` each.
+exactly ``--max-new-tokens`` tokens each (no stop token ends them early), as a rollout worker does. Two
+forms a worker can return are timed: the collector's tensordict (what workers returned before issue 28)
+and ``grpo.rollout.replies.Replies`` (what they return now; ``convert_s``: ``Replies.from_collector`` on the
+worker). For each: ``pickle.dumps`` (the worker's side), ``pickle.loads`` (the trainer's) and the bytes
+between them, unless ``--no-ray`` ``ray.put`` / ``ray.get`` through a local Ray object store (what a Ray
+actor's return goes through). Best of ``--repeats`` each; ratios are before / after. ``dense_s``: the
+trainer's first use of ``Replies`` (the dense training batch and the step's rollout metrics).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def parse_args(argv=None):
 
 
 def collect(args):
-    """One collector batch, reshaped as the rollout sources hand it on."""
+    """One collector batch, reshaped as the rollout sources hand it on; the tiny model's stop ids and pad id."""
     import torch
     from tensordict import set_list_to_stack
 
@@ -48,7 +51,7 @@ def collect(args):
     from grpo.inference.generation import EngineSettings, generate_kwargs
     from grpo.process.setup import resolve_local_paths
     from grpo.tasks.envs import make_collector, make_env
-    from grpo.training.models import load_policy_model, load_tokenizer
+    from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids
     from tools.compose import compose_config
 
     set_list_to_stack(True).set()
@@ -67,7 +70,7 @@ def collect(args):
     t0 = time.perf_counter()
     batch = next(iter(make_collector(env, policy, args.replies))).reshape(-1)
     print(f"collected {batch.numel()} replies in {time.perf_counter() - t0:.1f} s", flush=True)
-    return batch
+    return batch, stop_token_ids(tok, model.generation_config), tok.pad_token_id
 
 
 def best_of(repeats: int, fn):
@@ -93,18 +96,25 @@ def measure(name: str, obj, args, ray_mod) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    batch = collect(args)
+    from grpo.rollout.replies import Replies
+    from grpo.training.batch import rollout_metrics, to_training_batch
+
+    batch, stop_ids, pad_token_id = collect(args)
     ray_mod = None
     if not args.no_ray:
         import ray
 
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
         ray_mod = ray
-    rows = [measure("collector tensordict", batch, args, ray_mod)]
-    base = rows[0]
-    for row in rows[1:]:
-        ratios = {k: base[k] / row[k] for k in row if k != "form" and row[k] > 0}
-        print(f"{base['form']} / {row['form']}: " + ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()))
+    convert_s, replies = best_of(args.repeats, lambda: Replies.from_collector(batch))
+    dense_s, _ = best_of(args.repeats, lambda: rollout_metrics(replies, to_training_batch(replies, pad_token_id,
+                                                                                          stop_ids)))
+    print(json.dumps({"convert_s": convert_s, "dense_s": dense_s}), flush=True)
+    before, after = measure("collector tensordict", batch, args, ray_mod), measure("Replies", replies, args, ray_mod)
+    ratios = {k: before[k] / after[k] for k in after if k != "form" and after[k] > 0}
+    print("before / after: " + ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items()))
+    print(f"worker to trainer, pickled: before {before['dumps_s'] + before['loads_s']:.4f} s (dumps + loads), after "
+          f"{convert_s + after['dumps_s'] + after['loads_s']:.4f} s (convert + dumps + loads)")
     if ray_mod is not None:
         ray_mod.shutdown()
 

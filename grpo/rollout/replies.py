@@ -17,8 +17,9 @@ sampling, the samples shown, the dense training batch, the other ranks under tor
     row_index        [N] int64          the data row its prompt came from
     user_prompts     N str              its prompt's last user message, as the chat history holds it
 
-Pickled, the tensors travel as numpy arrays: raw buffers, which Ray's object store passes without
-copying them through pickle (128 x 512: 0.9 MB, about a millisecond either way).
+Pickled, the tensors travel as numpy arrays: raw buffers, which Ray's object store passes outside the
+pickle stream. 128 x 512 on a CPU: 0.91 MB, 0.2 ms to pickle and 0.1 ms to unpickle (ray.put 1.6 ms,
+ray.get 0.3 ms), after 20 ms to convert on the worker.
 """
 
 from __future__ import annotations
