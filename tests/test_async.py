@@ -267,7 +267,7 @@ def test_pool_replaces_a_worker_killed_with_ray_kill():
             if step == 2:
                 ray.kill(pool.workers[0])
             rollouts = pool.next_rollouts(trainer_version=0)
-            seen.append(sorted(set(rollouts["row_index"].tolist())))
+            seen.append(sorted(set(rollouts.row_index.tolist())))
             pool.commit()
         assert pool.step_metrics()["worker_restarts"] == 1
         stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)

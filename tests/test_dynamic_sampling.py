@@ -1,23 +1,21 @@
 """DAPO dynamic sampling: steps are filled with groups whose rewards differ, within a bound."""
 
 import pytest
-import torch
-from tensordict import TensorDict, lazy_stack
 
 from grpo.rollout.dynamic_sampling import draw_step_batch, reply_groups
+from grpo.rollout.replies import Replies
 
 REPEATS = 4
 
 
 def batch_of(group_rewards: list[list[float]], first_prompt: int):
     """Rollouts of whole groups: prompt k is the token sequence [k, k]; a reply's reward as given."""
-    samples = []
-    for k, rewards in enumerate(group_rewards, start=first_prompt):
-        for reward in rewards:
-            samples.append(TensorDict({("tokens", "prompt"): torch.tensor([k, k]),
-                                       ("tokens", "response"): torch.tensor([7]),
-                                       ("next", "reward"): torch.tensor([[reward]])}, batch_size=[]))
-    return lazy_stack(samples)
+    prompts = [k for k, rewards in enumerate(group_rewards, start=first_prompt) for _ in rewards]
+    rewards = [reward for group in group_rewards for reward in group]
+    return Replies.from_sequences(prompts=[[k, k] for k in prompts], replies=[[7]] * len(prompts),
+                                  log_probs=[[-1.0]] * len(prompts), reward=rewards,
+                                  success=[r > 0 for r in rewards], row_index=prompts,
+                                  user_prompts=[str(k) for k in prompts])
 
 
 def drawer(batches):
@@ -30,7 +28,7 @@ def drawer(batches):
 
 
 def prompts_of(rollouts) -> list[int]:
-    return [int(rollouts[g[0]]["tokens", "prompt"][0]) for g in reply_groups(rollouts)]
+    return [int(rollouts.prompts()[g[0]][0]) for g in reply_groups(rollouts)]
 
 
 MIXED, ZEROS, ONES = [0.0, 1.0, 0.0, 0.0], [0.0] * REPEATS, [1.0] * REPEATS
@@ -72,10 +70,10 @@ def test_past_the_bound_the_step_is_topped_up_with_uniform_groups():
 
 def test_groups_are_found_by_prompt_whatever_the_reply_order():
     rollouts = batch_of([MIXED, ZEROS], 0)
-    shuffled = lazy_stack([rollouts[i] for i in (4, 0, 5, 1, 6, 2, 7, 3)])
+    shuffled = rollouts.select([4, 0, 5, 1, 6, 2, 7, 3])
     assert reply_groups(shuffled) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     picked, metrics = draw_step_batch(drawer([shuffled]), 4, dynamic=True, max_extra_batches=0)
-    assert [float(r) for r in picked.get(("next", "reward")).flatten()] == MIXED
+    assert picked.reward.tolist() == MIXED
     assert metrics["filtered_groups"] == 1
 
 

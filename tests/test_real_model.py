@@ -14,6 +14,7 @@ import torch
 from conftest import TINY_DATA, compose
 from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings
+from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
@@ -44,7 +45,8 @@ def real_step(request):
     stop_ids = stop_token_ids(tok, policy.generation_config)
     inference = TransformersInference(EngineSettings.from_config(cfg), policy, tok, cpu, stop_ids)
     env = make_env(cfg, tok, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
-    rollouts = next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))).reshape(-1)
+    rollouts = Replies.from_collector(next(iter(make_collector(env, inference.policy,
+                                                               cfg.train.dialog_turns_per_batch))))
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = make_optimizer(cfg, policy)
     step = GRPOStep(GRPOSettings.from_config(cfg), policy=ReplyLogProbs(policy), optimizer=optimizer,
@@ -62,7 +64,7 @@ def test_real_tokenizer_pads_apart_from_eos(real_step):
 
 def test_real_replies_end_at_eos_and_nothing_after_it_is_a_reply_token(real_step):
     tok, rollouts, batch, stats, *_ = real_step
-    replies = [s["tokens", "response"] for s in rollouts.unbind(0)]
+    replies = rollouts.replies()
     finished = [r for r in replies if r.numel() < MAX_NEW_TOKENS]
     assert len(finished) >= len(replies) // 2, "most replies to one-sentence prompts end before the cap"
     for r in finished:

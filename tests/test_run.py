@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from conftest import SHORT_RUN, compose_in_run_dir, sync_script
 from grpo.loop.logger import read_metrics
 from grpo.loop.run import start_run
+from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.checkpoint import load_checkpoint
 
@@ -33,8 +34,7 @@ def async_run(tmp_path, tiny_model_dir, tiny_data_dir):
 def test_policy_version_counts_optimiser_steps_and_eval_sees_them(async_run):
     run = async_run
     env = make_env(run.cfg, run.tokenizer, split="train", repeats=4, num_envs=8)
-    rollouts = next(iter(make_collector(env, run.engine.policy, 8))).reshape(-1)
-    metrics = run.train_on(rollouts)
+    metrics = run.train_on(Replies.from_collector(next(iter(make_collector(env, run.engine.policy, 8)))))
     # 8 replies in minibatches of 4, one epoch: two optimiser steps, whatever the script
     assert metrics["optim_steps"] == 2 and run.trainer.policy_version == metrics["policy_version"] == 2
     # the engine that evaluates got no push from the training loop (the workers did): eval pushes first

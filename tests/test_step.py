@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from tensordict import TensorDict, lazy_stack
+from tensordict import TensorDict
 from torchrl.collectors.llm import LLMCollector
 from torchrl.modules.llm import TransformersWrapper
 from torchrl.objectives.llm import GRPOLoss, MCAdvantage
@@ -16,6 +16,7 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
+from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_env
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batches, to_training_batch, trim_padding
@@ -41,7 +42,7 @@ def setup(tiny_model_dir, tiny_data_dir):
                                       gen_kwargs=generate_kwargs(settings, tok, greedy=False, max_new_tokens=24,
                                                                  stop_ids=stop_ids))
     rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
-    batch = to_training_batch(rollouts, tok.pad_token_id, stop_ids)
+    batch = to_training_batch(Replies.from_collector(rollouts), tok.pad_token_id, stop_ids)
     batch["advantage"] = group_advantages(batch["reward"], batch["group_id"])
     assert len(set(batch["reply_length"].tolist())) > 1, "the test needs replies of different lengths"
     return cfg, tok, model, rollouts, batch
@@ -233,15 +234,10 @@ def test_kl_to_ref_penalty_is_masked_k3(setup):
 
 
 def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
-    samples = []
-    for n_prompt, beh, ref in [(3, [-1.0, -2.0], [-1.5, -2.0]), (2, [-0.5], [-0.1])]:
-        tokens = torch.arange(n_prompt + len(beh))
-        samples.append(TensorDict({
-            "tokens": TensorDict({"prompt": tokens[:n_prompt], "response": tokens[n_prompt:], "full": tokens}),
-            "log_probs": TensorDict({"response": torch.tensor(beh)}),
-            ("next", "reward"): torch.ones(1, 1),
-        }))
-    batch = to_training_batch(lazy_stack(samples), pad_token_id=0, stop_token_ids=[])
+    replies = Replies.from_sequences(prompts=[[0, 1, 2], [0, 1]], replies=[[3, 4], [2]],
+                                     log_probs=[[-1.0, -2.0], [-0.5]], reward=[1.0, 1.0], success=[True, True],
+                                     row_index=[0, 1], user_prompts=["a", "b"])
+    batch = to_training_batch(replies, pad_token_id=0, stop_token_ids=[])
     batch["ref_log_probs"] = torch.tensor([[-1.5, -2.0], [-0.1, 0.0]])
 
     def k3(beh, ref):
@@ -378,7 +374,7 @@ def test_truncated_is_scores_the_trainer_log_probs_in_prepare(setup):
     cfg, tok, model, rollouts, _ = setup
     step = make_step(cfg, model, inference_is_cap=1.5, micro_batch_size=3)
     step.pad_token_id, step.stop_token_ids = tok.pad_token_id, stop_token_ids(tok, model.generation_config)
-    batch, stats = step.prepare(rollouts)
+    batch, stats = step.prepare(Replies.from_collector(rollouts))
     # same weights as the sampler: the trainer's log-probs equal the sampler's
     mask = batch["reply_mask"]
     torch.testing.assert_close(batch["trainer_log_probs"] * mask, batch["behaviour_log_probs"] * mask,
@@ -481,15 +477,11 @@ def test_overlong_penalty_is_zero_then_linear_over_the_buffer():
 def rollouts_with_stops(replies: list[list[int]], rewards: list[float], stop: int):
     """Pairs of replies to one prompt; random sampler log-probs; ``stop`` ends a reply."""
     g = torch.Generator().manual_seed(0)
-    samples = []
-    for i, (reply, reward) in enumerate(zip(replies, rewards)):
-        prompt, response = torch.tensor([5, 6, 10 + i // 2]), torch.tensor(reply)
-        samples.append(TensorDict({
-            "tokens": TensorDict({"prompt": prompt, "response": response, "full": torch.cat([prompt, response])}),
-            "log_probs": TensorDict({"response": -torch.rand(len(reply), generator=g) - 0.5}),
-            ("next", "reward"): torch.tensor([[reward]]), ("next", "success"): torch.tensor([[reward > 0]]),
-        }))
-    return lazy_stack(samples)
+    return Replies.from_sequences(
+        prompts=[[5, 6, 10 + i // 2] for i in range(len(replies))], replies=replies,
+        log_probs=[-torch.rand(len(reply), generator=g) - 0.5 for reply in replies], reward=rewards,
+        success=[reward > 0 for reward in rewards], row_index=[i // 2 for i in range(len(replies))],
+        user_prompts=[f"prompt {i // 2}" for i in range(len(replies))])
 
 
 def test_overlong_shaping_penalises_then_filters_cut_replies_out_of_the_loss(setup):

@@ -9,6 +9,7 @@ from conftest import compose
 from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
 from grpo.process.setup import resolve_local_paths
+from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids
 from grpo.training.trainer import Trainer, make_optimizer, make_scheduler
@@ -92,7 +93,7 @@ def test_the_trainer_scores_the_tempered_policy_the_engine_sampled_from(tiny_mod
     try:
         env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
         collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch)
-        rollouts = next(iter(collector)).reshape(-1)
+        rollouts = Replies.from_collector(next(iter(collector)))
         trainer = Trainer(cfg, model, ref, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
         metrics = trainer.update(rollouts, step=1)
     finally:

@@ -17,6 +17,7 @@ from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings, weights_checksum
 from grpo.process.setup import resolve_local_paths
 from grpo.process.world import World, is_sharded
+from grpo.rollout.replies import Replies
 from grpo.training.batch import micro_batch_rows
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
@@ -121,7 +122,7 @@ def test_the_engine_keeps_its_own_whole_copy_of_a_sharded_policy(setup, tmp_path
     loads its own plain copy, starting from the same weights, and a push after a step lands in it."""
     cfg, _, _, rollouts, _ = setup
     rollouts_file = tmp_path / "rollouts.pt"
-    torch.save(rollouts, rollouts_file)
+    torch.save(Replies.from_collector(rollouts), rollouts_file)
     seen = {}
     for size in (1, 2):
         out = str(tmp_path / f"engine{size}.pt")
@@ -152,7 +153,7 @@ def test_two_ranks_train_as_one(setup, tmp_path):  # noqa: F811 - the imported f
     same metrics, and the same weights after 3 steps (6 optimiser steps) to 1e-5."""
     cfg, _, _, rollouts, _ = setup
     rollouts_file = tmp_path / "rollouts.pt"
-    torch.save(rollouts, rollouts_file)
+    torch.save(Replies.from_collector(rollouts), rollouts_file)
     one, two = run_ranks(1, tmp_path, rollouts_file, cfg), run_ranks(2, tmp_path, rollouts_file, cfg)
     first_one, first_two = one["metrics"][0], two["metrics"][0]
     assert first_one["optim_steps"] == 2 * cfg.train.epochs
@@ -187,7 +188,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(setup, tmp_path, saved_
     gives the weights of the run that wrote it and went on, to 1e-5."""
     cfg, _, _, rollouts, _ = setup
     rollouts_file = tmp_path / "rollouts.pt"
-    torch.save(rollouts, rollouts_file)
+    torch.save(Replies.from_collector(rollouts), rollouts_file)
 
     def run(size, resume, out):
         mp.spawn(checkpoint_and_go_on, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from grpo.training.batch import final_rewards, group_ids, through_first_stop
+from grpo.rollout.replies import Replies
+from grpo.training.batch import group_ids, through_first_stop
 
 # metrics.png: one panel per entry, its metrics as lines (eval rows as markers). Held-out accuracy sits beside
 # its strict and flexible forms, and reply length and truncation beside their eval values, so a recipe
@@ -80,23 +81,18 @@ class RunLogger:
         plot_metrics(self.path, self.run_dir / "metrics.png")
 
 
-def reply_samples(rollouts, count: int, tokenizer, stop_ids: list[int]) -> list[dict]:
+def reply_samples(replies: Replies, count: int, tokenizer, stop_ids: list[int]) -> list[dict]:
     """Every reply to the batch's first ``count`` prompts, one row each: ``group`` (the prompt's place among
     the batch's prompts), ``row`` (its data row), ``prompt`` (the user's message, as the chat history holds
     it), ``reply`` (its tokens through the first stop token, as trained on, decoded without special tokens:
     the engines' history texts differ there) and ``reward`` (the env's, before any KL term)."""
-    rows = rollouts.get("row_index").flatten().tolist()
-    rewards = final_rewards(rollouts).tolist()
-    history = rollouts.get(("history", "prompt"))
     stops = torch.tensor(stop_ids)
     samples = []
-    for i, (group, row, roles, texts) in enumerate(zip(group_ids(rollouts).tolist(), rows, history.role,
-                                                      history.content)):
+    for group, row, prompt, reply, reward in zip(group_ids(replies).tolist(), replies.row_index.tolist(),
+                                                 replies.user_prompts, replies.replies(), replies.reward.tolist()):
         if group < count:
-            prompt = next(text for role, text in zip(reversed(roles), reversed(texts)) if role == "user")
-            reply = rollouts[i]["tokens", "response"]
             reply = tokenizer.decode(reply[:through_first_stop(reply, stops)], skip_special_tokens=True)
-            samples.append({"group": group, "row": row, "prompt": prompt, "reply": reply, "reward": rewards[i]})
+            samples.append({"group": group, "row": row, "prompt": prompt, "reply": reply, "reward": reward})
     return samples
 
 

@@ -16,26 +16,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tensordict import lazy_stack
+from grpo.rollout.replies import Replies
+from grpo.training.batch import group_ids
 
-from grpo.training.batch import final_rewards, group_ids
 
-
-def reply_groups(rollouts) -> list[list[int]]:
+def reply_groups(replies: Replies) -> list[list[int]]:
     """The replies of each group (``batch.group_ids``), in order of first appearance."""
     groups: dict[int, list[int]] = {}
-    for i, group in enumerate(group_ids(rollouts).tolist()):
+    for i, group in enumerate(group_ids(replies).tolist()):
         groups.setdefault(group, []).append(i)
     return list(groups.values())
 
 
-def sort_groups(rollouts) -> tuple[list, list]:
-    """The groups of ``rollouts`` (lists of samples): those whose rewards differ, those all alike."""
-    rewards, samples = final_rewards(rollouts), rollouts.unbind(0)
+def sort_groups(replies: Replies) -> tuple[list, list]:
+    """The groups of ``replies`` (each a batch of its own): those whose rewards differ, those all alike."""
     informative, uniform = [], []
-    for members in reply_groups(rollouts):
-        (informative if rewards[members].max() > rewards[members].min() else uniform).append(
-            [samples[i] for i in members])
+    for members in reply_groups(replies):
+        rewards = replies.reward[members]
+        (informative if rewards.max() > rewards.min() else uniform).append(replies.select(members))
     return informative, uniform
 
 
@@ -55,7 +53,7 @@ def draw_step_batch(draw: Callable, replies_per_step: int, *, dynamic: bool, max
             chosen.append(group)
             filled += len(group)
             uniform_used += i >= len(informative)
-    return lazy_stack([s for group in chosen for s in group]), {
+    return Replies.cat(chosen), {
         "filtered_groups": len(uniform) - uniform_used,
         "uniform_group_fraction": len(uniform) / (len(informative) + len(uniform)),
         "extra_generation_batches": extra,

@@ -3,7 +3,7 @@
 A rollout source (this one, and the Ray pool of ``ray_collectors.RolloutPool``) is what the loop of
 ``grpo.loop.run`` draws from:
 
-    next_rollouts(trainer_version)  one collection of whole groups
+    next_rollouts(trainer_version)  one collection of whole groups, as ``grpo.rollout.replies.Replies``
     commit()                        the step that took them finished: their prompts count as trained
     after_update(weights, version)  hand the engines the new weights (Trainer.engine_weights) when due; returns
                                     the push's metrics
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, serve_from
 from grpo.tasks.user_rewards import take_reward_seconds
 
@@ -32,11 +33,11 @@ class CollectorRollouts:
         self.taken: list[int] = []  # the prompt batches this step's collections drew
         self.generation_s = 0.0
 
-    def next_rollouts(self, trainer_version: int):
+    def next_rollouts(self, trainer_version: int) -> Replies:
         """One collection: G replies for each prompt, with sampler log-probs."""
         t0 = time.perf_counter()
         self.taken.extend(self.ledger.take() for _ in range(self.batches_per_step))  # the batches it draws next
-        rollouts = next(self.batches).reshape(-1)
+        rollouts = Replies.from_collector(next(self.batches))
         self.generation_s += time.perf_counter() - t0
         return rollouts
 

@@ -24,12 +24,12 @@ from collections import Counter
 import ray
 import torch
 from omegaconf import OmegaConf
-from tensordict import lazy_stack
 
 from grpo.inference.generation import EngineSettings, as_state_dict, tensor_place
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.errors import UserError
 from grpo.process.setup import ray_pythonpath
+from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, serve_from
 from grpo.tasks.user_rewards import take_reward_seconds
 from grpo.training.models import torch_dtype
@@ -74,16 +74,17 @@ class RolloutWorker:
             self._pending = (weights, version, checksum)
 
     @ray.method(concurrency_group="generate")
-    def generate(self, batch_index: int):
-        """Replies to stream batch ``batch_index``, the weights version that wrote them, and this call's stats."""
+    def generate(self, batch_index: int) -> tuple[Replies, int, dict]:
+        """Replies to stream batch ``batch_index``, the weights version that wrote them, and this call's stats.
+        ``Replies``, not the collector's tensordict: pickling that for Ray held the trainer up (replies.py)."""
         stats = dict.fromkeys(GENERATION_STATS, 0.0) | {"pushes_verified": 0, "pushes_mismatched": 0}
         stats["idle_s"] = time.perf_counter() - self._idle_since
         self._apply_pending_weights(stats)
         serve_from(self.env, self.collector, batch_index)
-        batch = next(self.batches).reshape(-1)
+        batch = Replies.from_collector(next(self.batches))
         stats["reward_s"] = take_reward_seconds(self.env)
-        stats["replies"] = batch.numel()
-        stats["tokens"] = sum(s["tokens", "response"].shape[-1] for s in batch.unbind(0))
+        stats["replies"] = len(batch)
+        stats["tokens"] = int(batch.reply_lengths.sum())
         self._idle_since = time.perf_counter()
         return batch, self.inference.version, stats
 
@@ -162,10 +163,9 @@ class RolloutPool:
             index = self.ledger.take()
             self.assigned.append((self.workers[worker].generate.remote(index), worker, index))
 
-    def next_rollouts(self, trainer_version: int):
+    def next_rollouts(self, trainer_version: int) -> Replies:
         """One step's rollouts: ``train.dialog_turns_per_batch`` replies in whole worker batches."""
-        batches = [self._next_batch(trainer_version) for _ in range(self.batches_per_step)]
-        return batches[0] if len(batches) == 1 else lazy_stack([s for b in batches for s in b.unbind(0)])
+        return Replies.cat([self._next_batch(trainer_version) for _ in range(self.batches_per_step)])
 
     def commit(self) -> None:
         """The step that took the last batches completed: from now on they count as consumed."""

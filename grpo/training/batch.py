@@ -1,6 +1,6 @@
 """The dense training batch: collected rollouts as padded ``[S, T]`` tensors.
 
-TorchRL's collector returns a lazy stack of per-sample tensordicts (a different length each).
+The rollout sources hand over ``grpo.rollout.replies.Replies``: ragged token ids, one after another.
 Every later stage (reference scoring, advantages, minibatch sampling, the loss) is cheaper on
 padded ``[S, T]`` tensors: on the tiny task, per-sample tensordict bookkeeping was about 45% of
 a step (docs/trl_comparison.md). So the batch is made dense once, here:
@@ -20,7 +20,9 @@ a step (docs/trl_comparison.md). So the batch is made dense once, here:
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import TensorDict
+
+from grpo.rollout.replies import Replies
 
 
 def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
@@ -29,28 +31,19 @@ def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
     return int(stops[0, 0]) + 1 if len(stops) else reply.numel()
 
 
-def final_rewards(data: TensorDictBase) -> torch.Tensor:
-    """One reward per reply: the env's reward at its last turn."""
-    return data.get(("next", "reward")).reshape(len(data), -1)[:, -1]
-
-
-def to_training_batch(data: TensorDictBase, pad_token_id: int, stop_token_ids: list[int]) -> TensorDict:
-    """The collector's per-sample rollouts as one dense batch (see the module docstring)."""
-    samples = data.unbind(0)
+def to_training_batch(replies: Replies, pad_token_id: int, stop_token_ids: list[int]) -> TensorDict:
+    """The replies as one dense batch (see the module docstring)."""
     stop_ids = torch.tensor(stop_token_ids, dtype=torch.long)
-    prompts = [s["tokens", "prompt"] for s in samples]
-    replies = [s["tokens", "response"] for s in samples]
-    replies = [r[:through_first_stop(r, stop_ids)] for r in replies]
-    behaviour = [s["log_probs", "response"][:r.numel()] for s, r in zip(samples, replies)]
-    prompt_len = torch.tensor([p.numel() for p in prompts])
-    reply_len = torch.tensor([r.numel() for r in replies])
-    n, width_p, width_r = len(samples), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
+    ends = [through_first_stop(r, stop_ids) for r in replies.replies()]
+    kept = [(r[:end], lp[:end]) for r, lp, end in zip(replies.replies(), replies.log_probs(), ends)]
+    prompt_len, reply_len = replies.prompt_lengths.clone(), torch.tensor(ends, dtype=torch.long)
+    n, width_p, width_r = len(replies), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
     input_ids = torch.full((n, width_p + width_r), pad_token_id, dtype=torch.long)
     behaviour_lp = torch.zeros(n, width_r)
-    for i, (p, r, lp) in enumerate(zip(prompts, replies, behaviour)):
+    for i, (p, (r, lp)) in enumerate(zip(replies.prompts(), kept)):
         input_ids[i, width_p - p.numel():width_p] = p
         input_ids[i, width_p:width_p + r.numel()] = r
-        behaviour_lp[i, :r.numel()] = lp.float()
+        behaviour_lp[i, :r.numel()] = lp
     cols = torch.arange(width_p + width_r)
     attention_mask = (cols >= width_p - prompt_len[:, None]) & (cols < width_p + reply_len[:, None])
     return TensorDict({
@@ -58,11 +51,11 @@ def to_training_batch(data: TensorDictBase, pad_token_id: int, stop_token_ids: l
         "attention_mask": attention_mask,
         "reply_mask": attention_mask[:, width_p:],
         "behaviour_log_probs": behaviour_lp,
-        "reward": final_rewards(data).float(),
+        "reward": replies.reward.clone(),
         "prompt_length": prompt_len,
         "reply_length": reply_len,
-        "reply_stopped": torch.tensor([bool(torch.isin(r[-1:], stop_ids).any()) for r in replies]),
-        "group_id": group_ids(data),
+        "reply_stopped": torch.tensor([bool(torch.isin(r[-1:], stop_ids).any()) for r, _ in kept]),
+        "group_id": group_ids(replies),
     }, batch_size=[n])
 
 
@@ -82,13 +75,12 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     return out
 
 
-def group_ids(rollouts) -> torch.Tensor:
+def group_ids(replies: Replies) -> torch.Tensor:
     """Which group each reply is in: the replies to one prompt (its token sequence) form a group, numbered
     in order of first appearance. The one definition of a group: the dense batch's ``group_id`` (the
     advantages' baselines), dynamic sampling and the samples shown all take it from here."""
     ids: dict[tuple, int] = {}
-    return torch.tensor([ids.setdefault(tuple(s["tokens", "prompt"].tolist()), len(ids)) for s in rollouts.unbind(0)],
-                        dtype=torch.long)
+    return torch.tensor([ids.setdefault(tuple(p.tolist()), len(ids)) for p in replies.prompts()], dtype=torch.long)
 
 
 def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None):
@@ -123,16 +115,15 @@ def micro_batch_rows(batch: TensorDict, max_rows: int, max_tokens: int | None, m
     return [torch.tensor(rows) for rows in merged]
 
 
-def rollout_metrics(rollouts, batch: TensorDict) -> dict:
+def rollout_metrics(replies: Replies, batch: TensorDict) -> dict:
     """What a step trained on: reward, success, reply lengths and truncation, and which data rows."""
     metrics = {
         "reward": batch["reward"].mean().item(),
-        "success_rate": rollouts.get(("next", "success")).float().mean().item(),
+        "success_rate": replies.success.float().mean().item(),
         "response_length": batch["reply_length"].float().mean().item(),
         "response_length_max": int(batch["reply_length"].max()),
         # replies cut by max_new_tokens before any stop token
         "response_truncated_fraction": 1 - batch["reply_stopped"].float().mean().item(),
+        "prompt_indices": sorted(set(replies.row_index.tolist())),  # which data rows (resume tests compare them)
     }
-    if "row_index" in rollouts.keys():  # which data rows were trained on (resume tests compare them)
-        metrics["prompt_indices"] = sorted({int(i) for i in rollouts["row_index"].flatten().tolist()})
     return metrics

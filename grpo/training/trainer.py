@@ -70,7 +70,8 @@ class Trainer:
         return self.whole_weights() if is_sharded(self.policy_model) else self.policy_model
 
     def update(self, rollouts, step: int) -> dict:
-        # the other ranks step on rank 0's rollouts, pickled whole: a few MB of token ids and texts per step
+        # the other ranks step on rank 0's rollouts (grpo.rollout.replies.Replies): a few flat arrays, ~1 MB per
+        # 128 replies x 512 tokens, pickled as raw buffers
         self.world.lead("update", rollouts, step)
         metrics = self.grpo_step(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
         self.policy_version += metrics["optim_steps"]
