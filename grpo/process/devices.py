@@ -59,7 +59,8 @@ class DeviceAllocation:
             return self
         if len(self.train) != size:
             raise DeviceAllocationError(f"{size} trainer rank(s) started but train_model has {len(self.train)} GPU(s) "
-                                        f"{_ids(self.train)}: each rank trains on one. Fix: train_model.num_devices={size}")
+                                        f"{_ids(self.train)}: each rank trains on one. "
+                                        f"Fix: train_model.num_devices={size}")
         own = [self.train[rank]]
         ref = own if self.ref == self.train else self.ref[rank % len(self.ref):][:1]
         return replace(self, train=own, ref=ref)
@@ -218,8 +219,8 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
     if use_ref and ref.count > train.count:  # its own GPUs: each rank holds one whole reference on one of them
         k, t = ref.count, train.count
         fix = f"ref_model.devices={_ids(ref.devices[:t])}" if ref.devices else f"ref_model.num_devices={t}"
-        raise DeviceAllocationError(f"ref_model has {k} GPUs but train_model has {t}: each trainer rank holds one whole "
-                                    f"reference model on one GPU, so {k - t} would idle ({vis}). Fix: {fix}")
+        raise DeviceAllocationError(f"ref_model has {k} GPUs but train_model has {t}: each trainer rank holds one "
+                                    f"whole reference model on one GPU, so {k - t} would idle ({vis}). Fix: {fix}")
 
     def take(k: int) -> list[int]:
         got = pool[:k]

@@ -41,7 +41,7 @@ def trainer_world(cfg, script: str):
     if "WORLD_SIZE" in os.environ:  # torchrun's ranks
         world = World.from_env()
         with world.leading():
-            _agree_with_launcher(cfg, world)
+            agree_with_launcher(cfg, world)
             yield world
         return
     ranks = trainer_ranks(cfg) or 1
@@ -49,7 +49,7 @@ def trainer_world(cfg, script: str):
         yield world
 
 
-def _agree_with_launcher(cfg, world: World) -> None:
+def agree_with_launcher(cfg, world: World) -> None:
     """Under torchrun, ``train_model.num_devices`` left null becomes the number of ranks it started (the run's
     config and device allocation then say it); set, it must be that number."""
     asked = trainer_ranks(cfg)
@@ -58,12 +58,16 @@ def _agree_with_launcher(cfg, world: World) -> None:
             cfg.train_model.num_devices = world.size
         return
     if asked != world.size:
-        setting = (f"train_model.devices={list(cfg.train_model.devices)}" if cfg.train_model.get("devices") is not None
-                   else f"train_model.num_devices={asked}")
+        if cfg.train_model.get("devices") is not None:
+            setting = f"train_model.devices={list(cfg.train_model.devices)}"
+            fix = "train_model.devices=null (torchrun's count)"
+        else:
+            setting = f"train_model.num_devices={asked}"
+            fix = f"train_model.num_devices={world.size} (or null: torchrun's count)"
         raise DeviceAllocationError(
             f"torchrun started {world.size} trainer rank(s) (WORLD_SIZE={world.size}) but {setting} asks for {asked}: "
-            f"each rank trains on one of them. Fix: train_model.num_devices={world.size} (or null, torchrun's count) "
-            f"or --nproc_per_node={asked}, or leave out torchrun: on one node {setting} starts its ranks itself")
+            f"each rank trains on one of them. Fix: {fix} or --nproc_per_node={asked}, "
+            f"or leave out torchrun: on one node {setting} starts its ranks itself")
 
 
 @contextlib.contextmanager
