@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, SHORT_RUN
 from grpo.process.errors import DeviceAllocationError
-from grpo.process.launch import agree_with_launcher
+from grpo.process.launch import agree_with_launcher, trainer_world
 from grpo.process.world import World
 from test_world import free_port
 
@@ -61,6 +61,14 @@ def session_processes(session: int) -> list[int]:
             if int(sid) == session and state != "Z":
                 pids.append(int(stat.parent.name))
     return pids
+
+
+def all_gone(session: int) -> bool:
+    """Whether every process of the session ends (a process lives a moment after its files close), in a minute."""
+    deadline = time.monotonic() + 60  # a hang guard, not a timing
+    while session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return session_processes(session) == []
 
 
 def trained(run_dir, overrides, ranks: int, torchrun: bool = True):
@@ -118,18 +126,36 @@ def test_followers_end_when_rank_0_is_killed(tmp_path):
     deadline = time.monotonic() + 60  # a hang guard, not a timing: rank 0 starts rank 1 within seconds
     while len(session_processes(proc.pid)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    followers = [pid for pid in session_processes(proc.pid) if pid != proc.pid]
-    assert followers, "rank 0 started no follower"
+    assert len(session_processes(proc.pid)) == 2, "rank 0 started no follower"
     proc.kill()
     try:
         stderr = proc.communicate(timeout=120)[1]  # the pipe closes as every follower holding it exits
-        while session_processes(proc.pid) and time.monotonic() < deadline + 60:  # gone a moment after its files close
-            time.sleep(0.05)
-        assert session_processes(proc.pid) == []
+        assert all_gone(proc.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # a follower left behind (the test failed) goes too
     assert f"rank 1: rank 0 (pid {proc.pid}) is gone; exiting" in stderr, stderr[-4000:]
+
+
+def test_a_follower_that_dies_before_joining_ends_rank_0(tmp_path):
+    """Rank 0 waits for its followers to join, blocked in C++; one that exits first (a crash on import, say) would
+    hold it until the 30-minute store timeout. Rank 0 names the rank, ends the others and exits."""
+    (tmp_path / "fails.py").write_text("import sys\nsys.exit(3)\n")
+    code = f"from grpo.process.launch import _followers\nwith _followers({str(tmp_path / 'fails.py')!r}, 3):\n    pass\n"
+    with subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1 and all_gone(proc.pid)
+    assert re.search(r"^error: rank [12] exited \(status 3\) before joining rank 0", stderr, re.M), stderr[-4000:]
+
+
+def test_more_ranks_than_gpus_is_an_error_before_any_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = OmegaConf.create({"train_model": {"num_devices": 3, "devices": None}})
+    with pytest.raises(DeviceAllocationError, match=r"train_model.num_devices=3 asks for 3 trainer ranks, one GPU each, "
+                                                    r"but 2 GPU\(s\) visible. Fix: train_model.num_devices=2"):
+        with trainer_world(cfg, script="never started"):
+            pass
 
 
 def test_a_two_rank_run_killed_after_a_checkpoint_resumes_to_the_same_weights(uninterrupted, tmp_path):

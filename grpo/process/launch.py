@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from grpo.process.devices import trainer_ranks
@@ -45,6 +46,13 @@ def trainer_world(cfg, script: str):
             yield world
         return
     ranks = trainer_ranks(cfg) or 1
+    visible = torch.cuda.device_count()
+    if visible and ranks > visible:  # a follower could not even select its GPU: say so before starting any
+        ids = cfg.train_model.get("devices")
+        setting, fix = (f"train_model.devices={list(ids)}", "train_model.devices=null") if ids is not None else \
+            (f"train_model.num_devices={ranks}", f"train_model.num_devices={visible}")
+        raise DeviceAllocationError(f"{setting} asks for {ranks} trainer ranks, one GPU each, but {visible} GPU(s) "
+                                    f"visible. Fix: {fix}")
     with (_followers(script, ranks) if ranks > 1 else contextlib.nullcontext(World())) as world, world.leading():
         yield world
 
@@ -86,7 +94,8 @@ def _followers(script: str, size: int):
     joined = False
     try:
         # the followers join through torchrun's env:// rendezvous; tcp:// is the same store at that port
-        join_group(0, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size)
+        with _ended_if_one_dies_first(followers):
+            join_group(0, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size)
         joined = True
         yield World.from_env()
     finally:
@@ -99,6 +108,31 @@ def _followers(script: str, size: int):
             except subprocess.TimeoutExpired:
                 follower.kill()
                 follower.wait()
+
+
+@contextlib.contextmanager
+def _ended_if_one_dies_first(followers: list[subprocess.Popen]):
+    """While rank 0 waits for its followers to join: a follower that exits first (a crash on import or on its GPU)
+    never will, and rank 0, blocked in C++, would wait out the 30-minute timeout; so a thread ends the run."""
+    joining = threading.Event()
+    joining.set()
+
+    def watch() -> None:
+        while joining.is_set():
+            for rank, follower in enumerate(followers, start=1):
+                if follower.poll() is not None and joining.is_set():
+                    print(f"error: rank {rank} exited (status {follower.returncode}) before joining rank 0; its "
+                          "output above says why", file=sys.stderr, flush=True)
+                    for other in followers:
+                        other.kill()
+                    os._exit(1)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, name="followers-joining", daemon=True).start()
+    try:
+        yield
+    finally:
+        joining.clear()
 
 
 def exit_with_leader() -> None:
