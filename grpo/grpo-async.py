@@ -8,7 +8,7 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
     python grpo/grpo-async.py --config-name grpo_tiny     # CPU, local Ray
     python grpo/grpo-async.py ray.address=auto            # join a running cluster
-    torchrun --nproc_per_node=2 grpo/grpo-async.py --config-name grpo_tiny   # 2 data-parallel trainer ranks
+    python grpo/grpo-async.py --config-name grpo_tiny train_model.num_devices=2  # 2 data-parallel trainer ranks
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def train(cfg) -> Run:
 
 
 if __name__ == "__main__":
-    if World.launched_main():  # alone, or rank 0 under torchrun: it runs the rollout workers, evaluates and writes
-        hydra_main(train)
-    else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
+    if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes
+        hydra_main(train, __file__)
+    else:  # the other ranks (rank 0's or torchrun's) train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

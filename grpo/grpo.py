@@ -3,7 +3,8 @@
     python grpo/grpo.py                               # GSM8K, Qwen2.5, vLLM (GPU)
     python grpo/grpo.py --config-name grpo_tiny       # embedded tiny model, CPU, minutes
     python grpo/grpo.py --config-name grpo_tiny --multirun optimizer.lr=1e-4,3e-4
-    torchrun --nproc_per_node=2 grpo/grpo.py --config-name grpo_tiny   # 2 data-parallel trainer ranks
+    python grpo/grpo.py --config-name grpo_tiny train_model.num_devices=2  # 2 data-parallel trainer ranks (gloo on CPU)
+    torchrun --nproc_per_node=2 grpo/grpo.py --config-name grpo_tiny       # the same 2 ranks, torchrun's
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def train(cfg) -> Run:
 
 
 if __name__ == "__main__":
-    if World.launched_main():  # alone, or rank 0 under torchrun: it generates, evaluates and writes the run
-        hydra_main(train)
-    else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
+    if World.launched_main():  # alone, or rank 0: it generates, evaluates and writes the run
+        hydra_main(train, __file__)
+    else:  # the other ranks (rank 0's or torchrun's) train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

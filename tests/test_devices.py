@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from grpo.process import errors
-from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.process.devices import DeviceAllocation, allocate_devices, trainer_ranks
 from grpo.process.errors import DeviceAllocationError
 
 BASE = {
@@ -394,15 +394,39 @@ def test_each_rank_trains_on_its_own_gpu(overrides, ranks, expected):
         assert (own.train, own.ref, own.inference) == (train, ref, inference)
 
 
-def test_a_world_of_one_and_the_cpu_keep_the_allocation():
-    alloc = allocate(make_cfg("train_model.num_devices=2"), 3, SYNC)
-    assert alloc.for_rank(0, 1) is alloc
-    cpu = allocate(make_cfg("allow_cpu=true"), 0, SYNC)
+def test_a_rank_with_a_reference_of_its_own_gpus_takes_one_of_them():
+    """2 ranks, 2 reference GPUs apart from training: each rank's whole reference on its own one."""
+    alloc = allocate(make_cfg("train_model.num_devices=2", "ref_model.num_devices=2", "inference_model.colocate=true"),
+                     4, SYNC)
+    assert [(own.train, own.ref) for own in (alloc.for_rank(0, 2), alloc.for_rank(1, 2))] == [([0], [2]), ([1], [3])]
+
+
+def test_the_cpu_keeps_the_allocation_on_every_rank():
+    cpu = allocate(make_cfg("allow_cpu=true", "train_model.num_devices=2"), 0, SYNC)
     assert cpu.for_rank(1, 2) is cpu
 
 
 def test_ranks_and_train_gpus_must_match():
     alloc = allocate(make_cfg(), 2, SYNC)  # train on GPU 0 alone
-    with pytest.raises(DeviceAllocationError, match=r"torchrun started 2 trainer ranks but train_model has 1 GPU\(s\) "
+    with pytest.raises(DeviceAllocationError, match=r"2 trainer rank\(s\) started but train_model has 1 GPU\(s\) "
                                                     r"\[0\].*Fix: train_model.num_devices=2"):
         alloc.for_rank(1, 2)
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    (["ref_model.num_devices=2"], "ref_model.num_devices=1"),
+    (["train_model.devices=[0]", "ref_model.devices=[1,2]"], "ref_model.devices=[1]"),
+])
+def test_a_reference_with_more_gpus_than_training_would_idle(overrides, fix):
+    """Each rank holds one whole reference on one GPU: reference GPUs beyond the train GPUs would idle."""
+    with pytest.raises(DeviceAllocationError, match=r"ref_model has 2 GPUs but train_model has 1.*1 would idle.*"
+                                                    rf"Fix: {re.escape(fix)}$"):
+        allocate(make_cfg(*overrides), 4, ASYNC)
+
+
+def test_trainer_ranks_is_the_train_gpu_count():
+    assert trainer_ranks(make_cfg()) is None
+    assert trainer_ranks(make_cfg("train_model.num_devices=3")) == 3
+    assert trainer_ranks(make_cfg("train_model.devices=[1,2]")) == 2
+    with pytest.raises(DeviceAllocationError, match=r"train_model.num_devices=0 must be an int >= 1"):
+        trainer_ranks(make_cfg("train_model.num_devices=0"))

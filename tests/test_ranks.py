@@ -1,37 +1,78 @@
-"""The sync script under torchrun: 2 data-parallel ranks on CPU (gloo) train as 1 rank does, resume after a
-kill -9 as a run never stopped, and stop together on a user error."""
+"""The scripts as 2 data-parallel ranks on CPU (gloo), under torchrun or started by rank 0 itself
+(``train_model.num_devices=2``): they train as 1 rank does, and as each other; resume after a kill -9 as a run
+never stopped; stop together on a user error; and rank 0's followers end when it is killed."""
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
+from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import REPO, SHORT_RUN
+from grpo.process.errors import DeviceAllocationError
+from grpo.process.launch import agree_with_launcher, trainer_world
+from grpo.process.world import World
 from test_world import free_port
 
 STEPS = [*SHORT_RUN, "train.total_steps=4", "train.checkpoint_frequency=2"]
 
 
-def command(run_dir, overrides, ranks: int, script: str = "grpo.py") -> list[str]:
-    """``python grpo/<script>`` alone, or under torchrun as ``ranks`` ranks."""
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                     f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+def command(run_dir, overrides, ranks: int, script: str = "grpo.py", torchrun: bool = True) -> list[str]:
+    """``python grpo/<script>`` alone, or as ``ranks`` ranks: torchrun's, or (``torchrun=False``) those
+    ``train_model.num_devices`` has rank 0 start."""
+    launcher, ranks_asked = [sys.executable], []
+    if ranks > 1 and torchrun:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+    elif ranks > 1:
+        ranks_asked = [f"train_model.num_devices={ranks}"]
     return [*launcher, str(REPO / "grpo" / script), "--config-name", "grpo_tiny", f"hydra.run.dir={run_dir}",
-            *overrides]
+            *ranks_asked, *overrides]
 
 
-def run(run_dir, overrides, ranks: int, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(command(run_dir, overrides, ranks), capture_output=True, text=True, timeout=timeout)
+def run(run_dir, overrides, ranks: int, timeout: int = 300, torchrun: bool = True) -> SimpleNamespace:
+    """The run's exit status, what it printed, and its session (its id: the first process's pid)."""
+    with subprocess.Popen(command(run_dir, overrides, ranks, torchrun=torchrun), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return SimpleNamespace(returncode=proc.returncode, stdout=stdout, stderr=stderr, session=proc.pid)
 
 
-def trained(run_dir, overrides, ranks: int):
-    proc = run(run_dir, overrides, ranks)
+def session_processes(session: int) -> list[int]:
+    """The live (not zombie) processes of a session: a run started in its own session and every process it started."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, _ppid, _group, sid = stat.read_text().rsplit(")", 1)[1].split()[:4]
+            if int(sid) == session and state != "Z":
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+def all_gone(session: int) -> bool:
+    """Whether every process of the session ends (a process lives a moment after its files close), in a minute."""
+    deadline = time.monotonic() + 60  # a hang guard, not a timing
+    while session_processes(session) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return session_processes(session) == []
+
+
+def trained(run_dir, overrides, ranks: int, torchrun: bool = True):
+    proc = run(run_dir, overrides, ranks, torchrun=torchrun)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "reward" in r}, load_file(run_dir / "export" / "model.safetensors")
@@ -64,6 +105,59 @@ def test_two_ranks_train_as_one(uninterrupted):
     assert sorted(p.name for p in dirs[2].iterdir()) == sorted(p.name for p in dirs[1].iterdir())
 
 
+def test_num_devices_starts_the_ranks_torchrun_would(uninterrupted, tmp_path):
+    """``python grpo/grpo.py train_model.num_devices=2``, no torchrun: rank 0 starts rank 1 itself, and the run
+    is the torchrun run's, metric for metric and weight for weight; the followers are gone when it returns."""
+    steps, export = trained(tmp_path, STEPS, ranks=2, torchrun=False)
+    torchrun_steps, torchrun_export = uninterrupted[2]
+    assert sorted(steps) == sorted(torchrun_steps) == [1, 2, 3, 4]
+    for step, row in torchrun_steps.items():
+        for key in ("reward", "prompt_indices", "loss_objective", "grad_norm", "kl_to_ref"):
+            assert steps[step][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), (step, key)
+    assert_same_weights(export, torchrun_export)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in uninterrupted["dirs"][2].iterdir())
+
+
+def test_followers_end_when_rank_0_is_killed(tmp_path):
+    """kill -9 of rank 0 alone, while rank 1 (which it started) still connects to it: rank 1 sees its parent gone
+    and exits, rather than wait out the store's 30-minute timeout."""
+    proc = subprocess.Popen(command(tmp_path, STEPS, ranks=2, torchrun=False), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60  # a hang guard, not a timing: rank 0 starts rank 1 within seconds
+    while len(session_processes(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(session_processes(proc.pid)) == 2, "rank 0 started no follower"
+    proc.kill()
+    try:
+        stderr = proc.communicate(timeout=120)[1]  # the pipe closes as every follower holding it exits
+        assert all_gone(proc.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # a follower left behind (the test failed) goes too
+    assert f"rank 1: rank 0 (pid {proc.pid}) is gone; exiting" in stderr, stderr[-4000:]
+
+
+def test_a_follower_that_dies_before_joining_ends_rank_0(tmp_path):
+    """Rank 0 waits for its followers to join, blocked in C++; one that exits first (a crash on import, say) would
+    hold it until the 30-minute store timeout. Rank 0 names the rank, ends the others and exits."""
+    (tmp_path / "fails.py").write_text("import sys\nsys.exit(3)\n")
+    code = f"from grpo.process.launch import _followers\nwith _followers({str(tmp_path / 'fails.py')!r}, 3):\n    pass\n"
+    with subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 1 and all_gone(proc.pid)
+    assert re.search(r"^error: rank [12] exited \(status 3\) before joining rank 0", stderr, re.M), stderr[-4000:]
+
+
+def test_more_ranks_than_gpus_is_an_error_before_any_starts(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    cfg = OmegaConf.create({"train_model": {"num_devices": 3, "devices": None}})
+    with pytest.raises(DeviceAllocationError, match=r"train_model.num_devices=3 asks for 3 trainer ranks, one GPU each, "
+                                                    r"but 2 GPU\(s\) visible. Fix: train_model.num_devices=2"):
+        with trainer_world(cfg, script="never started"):
+            pass
+
+
 def test_a_two_rank_run_killed_after_a_checkpoint_resumes_to_the_same_weights(uninterrupted, tmp_path):
     """kill -9 of every rank (and torchrun) once the step-2 checkpoint is written; ``resume=`` on 2 ranks
     ends with the weights of the run that was never stopped."""
@@ -88,11 +182,13 @@ def nan_late(reply: str) -> float:
 """
 
 
-@pytest.mark.parametrize("when", ["start", "step_3"])
+@pytest.mark.parametrize("when", ["start", "start_num_devices", "step_3"])
 def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path):
-    """A bad config at start, or a reward function that returns NaN at step 3 (its 51st call: 5 eval replies,
-    then 20 a step): rank 0 prints the one line, and every rank exits, non-zero, within the timeout."""
-    if when == "start":
+    """A bad config at start (under torchrun, or with the ranks rank 0 started), or a reward function that returns
+    NaN at step 3 (its 51st call: 5 eval replies, then 20 a step): rank 0 prints the one line, and every rank exits,
+    non-zero, within the timeout."""
+    torchrun = when != "start_num_devices"
+    if when.startswith("start"):
         overrides, line = ["train.epochs=0"], "error: train.epochs=0 must be >= 1."
     else:
         (tmp_path / "rewards.py").write_text(NAN_LATE)
@@ -101,12 +197,32 @@ def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path):
                      "train.dialog_turns_per_batch=20", "train.optim_batch_size=10",
                      f"reward.functions=[{tmp_path}/rewards.py:nan_late]"]
         line = f"error: reward.functions[0]='{tmp_path}/rewards.py:nan_late' returned nan"
-    proc = run(tmp_path / "run", overrides, ranks=2, timeout=120)
-    assert proc.returncode != 0
+    proc = run(tmp_path / "run", overrides, ranks=2, timeout=120, torchrun=torchrun)
+    assert proc.returncode != 0 and session_processes(proc.session) == []
     said = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
     assert len(said) == 1 and said[0].startswith(line), proc.stderr[-4000:]
     if when == "step_3":  # the emergency checkpoint of step 2 gathered the weights over both ranks
         assert (tmp_path / "run" / "checkpoints" / "step_00000002.json").exists()
+
+
+@pytest.mark.parametrize("asked,fix", [
+    ("train_model.num_devices=3", "train_model.num_devices=2 (or null: torchrun's count) or --nproc_per_node=3"),
+    ("train_model.devices=[0]", "train_model.devices=null (torchrun's count) or --nproc_per_node=1"),
+])
+def test_torchrun_and_the_config_must_agree_on_the_rank_count(asked, fix):
+    """torchrun's 2 ranks: a config asking for another count is the one-line error naming both and the fix."""
+    cfg = OmegaConf.create({"train_model": {"num_devices": None, "devices": None}})
+    key, value = asked.split("=")
+    OmegaConf.update(cfg, key, yaml.safe_load(value))
+    with pytest.raises(DeviceAllocationError, match=rf"torchrun started 2 trainer rank\(s\) \(WORLD_SIZE=2\) but "
+                                                    rf"{re.escape(asked)} asks for .*Fix: {re.escape(fix)}"):
+        agree_with_launcher(cfg, World(rank=0, size=2))
+
+
+def test_under_torchrun_a_null_rank_count_is_torchrun_s():
+    cfg = OmegaConf.create({"train_model": {"num_devices": None, "devices": None}})
+    agree_with_launcher(cfg, World(rank=0, size=2))
+    assert cfg.train_model.num_devices == 2  # what the run's config and device allocation then say
 
 
 def test_the_async_script_trains_on_two_ranks(tmp_path):

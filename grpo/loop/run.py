@@ -5,7 +5,7 @@ source (``grpo.rollout.local_rollouts`` says what one does), and ``guard`` is th
     train_loop: eval; for each step: rollouts -> update -> commit -> weights to the engines -> log,
                 eval and checkpoint when due; at the end eval, checkpoint and export
 
-Under torchrun this is rank 0's run; ``follow_run`` is the other ranks' (``grpo/process/world.py``).
+On several trainer ranks this is rank 0's run; ``follow_run`` is the other ranks' (``grpo/process/world.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import ConfigError, UserError
+from grpo.process.launch import exit_with_leader
 from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths,
                                 resolved_config, seed_everything, write_hydra_record)
 from grpo.process.world import World
@@ -176,9 +177,8 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
     the other ranks build the same (``follow_run``)."""
     configure_attention_kernels(cfg)
     own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
-    policy_model = load_policy_model(cfg, tokenizer, own.torch_device("train"), shard_over=own.train)
-    ref_model = load_reference_model(cfg, tokenizer, own.torch_device("ref"),
-                                     shard_over=own.ref) if cfg.train.use_kl_to_ref else None
+    policy_model = load_policy_model(cfg, tokenizer, own.torch_device("train"))
+    ref_model = load_reference_model(cfg, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
     trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id,
                       stop_token_ids=stop_token_ids(tokenizer, policy_model.generation_config), world=world)
     world.lead("start", cfg, devices)
@@ -186,11 +186,13 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
 
 
 def follow_run() -> int:
-    """A data-parallel rank other than 0 under torchrun: no config, run dir, engine or output of its own. It
+    """A data-parallel rank other than 0 (rank 0 started it, or torchrun): no config, run dir, engine or output of
+    its own; it ends with rank 0, however that ends (``exit_with_leader``). It
     builds the trainer rank 0 built, from the config rank 0 checked and sends, then runs each collective
     rank 0 leads (``Trainer.follow``); returns the exit status rank 0 ends with."""
+    exit_with_leader()
     set_list_to_stack(True).set()
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # torchrun forwards them to every rank
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # torchrun forwards them, and a terminal's Ctrl-C reaches every rank
         signal.signal(signum, signal.SIG_IGN)  # rank 0 alone decides: it checkpoints, then leads the stop
     world = World.from_env()
     command, args = world.next_command()

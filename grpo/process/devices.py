@@ -12,6 +12,10 @@ engine generates on one GPU, so inference never gets more GPUs than engines. The
 (only with ``train.use_kl_to_ref``) goes on the train GPUs with ``ref_model.colocate=true``, else on
 free GPUs; without its own ``num_devices``/``devices`` it falls back to the train GPUs when none is
 free. It never sits on a GPU that only inference uses.
+
+Each train GPU is one data-parallel trainer rank (``grpo.process.launch`` starts them), holding an FSDP2 shard
+of the policy and one whole reference, so the reference never has more GPUs than training. With no GPU and
+``allow_cpu=true``, ``train_model.num_devices=N`` is N gloo ranks on the CPU; the other keys are checked only.
 """
 
 from __future__ import annotations
@@ -48,17 +52,18 @@ class DeviceAllocation:
         return torch.device("cuda", ids[0]) if ids else torch.device("cpu")
 
     def for_rank(self, rank: int, size: int) -> DeviceAllocation:
-        """What data-parallel rank ``rank`` of ``size`` (torchrun) trains on: one train GPU a rank, its own, and
-        the reference beside it where it shares the train GPUs (each rank scores its share of the rows). A
-        world of one, or the CPU: this allocation."""
-        if size == 1 or self.cpu:
+        """What data-parallel rank ``rank`` of ``size`` trains on: its own train GPU, and one whole reference, beside
+        it where the reference shares the train GPUs, else on reference GPU ``rank % len(ref)``. The CPU: this
+        allocation (every rank a gloo process on the CPU)."""
+        if self.cpu:
             return self
         if len(self.train) != size:
-            raise DeviceAllocationError(f"torchrun started {size} trainer ranks but train_model has {len(self.train)} "
-                                        f"GPU(s) {_ids(self.train)}: each rank trains on one. Fix: train_model."
-                                        f"num_devices={size} (or --nproc_per_node={len(self.train)})")
+            raise DeviceAllocationError(f"{size} trainer rank(s) started but train_model has {len(self.train)} GPU(s) "
+                                        f"{_ids(self.train)}: each rank trains on one. "
+                                        f"Fix: train_model.num_devices={size}")
         own = [self.train[rank]]
-        return replace(self, train=own, ref=own if self.ref == self.train else self.ref)
+        ref = own if self.ref == self.train else self.ref[rank % len(self.ref):][:1]
+        return replace(self, train=own, ref=ref)
 
     def torch_devices(self, role: str) -> list[torch.device]:
         """Every GPU of ``role``, or ``[cpu]`` when it has none."""
@@ -126,6 +131,14 @@ def _request(cfg: Mapping, key: str) -> _Request:
             raise DeviceAllocationError(f"{key}.devices={_ids(req.devices)} names a GPU twice. "
                                         f"Fix: {key}.devices={_ids(dict.fromkeys(req.devices))}")
     return req
+
+
+def trainer_ranks(cfg: Mapping) -> int | None:
+    """How many data-parallel trainer ranks ``train_model`` asks for: one per GPU of its ``devices`` or
+    ``num_devices`` (with no GPU, as many gloo ranks on the CPU); ``None`` when it sets neither. A bad value is
+    the one-line error ``allocate_devices`` gives."""
+    req = _request(cfg, "train_model")
+    return req.count if req.num or req.devices else None
 
 
 def _visible(visible_gpus: int | list[int] | None) -> list[int]:
@@ -203,6 +216,11 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
                 fixes.append(f"train_model.num_devices={req.count}")
             raise DeviceAllocationError(f"{req.key} would share the train GPUs but asks for {req.count} and "
                                         f"train_model has {train.count} ({vis}). Fix: " + " or ".join(fixes))
+    if use_ref and ref.count > train.count:  # its own GPUs: each rank holds one whole reference on one of them
+        k, t = ref.count, train.count
+        fix = f"ref_model.devices={_ids(ref.devices[:t])}" if ref.devices else f"ref_model.num_devices={t}"
+        raise DeviceAllocationError(f"ref_model has {k} GPUs but train_model has {t}: each trainer rank holds one "
+                                    f"whole reference model on one GPU, so {k - t} would idle ({vis}). Fix: {fix}")
 
     def take(k: int) -> list[int]:
         got = pool[:k]

@@ -19,19 +19,20 @@ from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
 from grpo.process.errors import ConfigError, clear_errors
-from grpo.process.world import World
+from grpo.process.launch import trainer_world
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def hydra_main(train) -> None:
-    """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default).
-    Under torchrun this is rank 0, and the other ranks stop with it however it ends."""
+def hydra_main(train, script: str) -> None:
+    """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default) as
+    rank 0 of the trainer's ranks: ``train_model.num_devices=N`` starts ``script`` as the other N-1, torchrun's
+    are joined (``grpo.process.launch``), and they stop with it however it ends."""
 
     @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "config"), config_name="grpo_gsm8k")
     def main(cfg) -> None:
         set_list_to_stack(True).set()
-        with World.from_env().leading(), clear_errors():
+        with clear_errors(), trainer_world(cfg, script):
             train(cfg)
 
     main()

@@ -33,15 +33,13 @@ class World:
 
     @classmethod
     def from_env(cls) -> World:
-        """The world ``torchrun`` (or any launcher setting RANK / WORLD_SIZE / MASTER_ADDR) started: joins
-        its process group (NCCL on GPUs, gloo on CPU). Without those variables: a world of one."""
-        size = int(os.environ.get("WORLD_SIZE", "1"))
-        if size == 1:
-            return cls()
+        """The world this process trains in: the process group it joined already (rank 0 of the ranks
+        ``grpo.process.launch`` starts), else the one ``torchrun``'s variables (RANK, WORLD_SIZE, MASTER_ADDR)
+        name, joined here (NCCL on GPUs, gloo on CPU). Neither: a world of one."""
         if not dist.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # NCCL's objects travel via this GPU
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                return cls()
+            join_group(int(os.environ.get("LOCAL_RANK", "0")))
         return cls(rank=dist.get_rank(), size=dist.get_world_size())
 
     @staticmethod
@@ -130,6 +128,14 @@ class World:
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         return scorer
+
+
+def join_group(local_rank: int, **init) -> None:
+    """Join the process group ``init`` (or the environment) describes: NCCL on GPUs, through GPU ``local_rank``,
+    which NCCL's objects travel via; gloo on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **init)
 
 
 def _for_comms(tensor: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
                                  position_ids=position_ids, use_cache=False).last_hidden_state
     hidden = hidden[:, hidden.shape[1] - width_r - 1:-1]
     head = model.get_output_embeddings()
-    targets = input_ids[:, input_ids.shape[1] - width_r:].to(hidden.device)
+    targets = input_ids[:, input_ids.shape[1] - width_r:]
     entropy_grad = entropy_grad and torch.is_grad_enabled()
     positions = max(1, LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
     flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
@@ -81,11 +81,10 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], temperature,
                 with_entropy, entropy_grad)
         chunks.append(checkpoint(_head_log_probs, *args, use_reentrant=False) if recompute else _head_log_probs(*args))
-    # a model split over GPUs returns hidden states on its last one; the batch lives on the first
-    token_lp = torch.cat([lp for lp, _ in chunks]).view_as(targets).to(input_ids.device)
+    token_lp = torch.cat([lp for lp, _ in chunks]).view_as(targets)
     if not with_entropy:
         return token_lp, None
-    return token_lp, torch.cat([ent for _, ent in chunks]).view_as(targets).to(input_ids.device)
+    return token_lp, torch.cat([ent for _, ent in chunks]).view_as(targets)
 
 
 def _head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
@@ -94,8 +93,7 @@ def _head_log_probs(head, hidden, targets, temperature: float, with_entropy: boo
     if temperature != 1.0:
         logits = logits / temperature
     lse = logits.logsumexp(-1)
-    # a model split over GPUs may hold its head on the first GPU and return hidden states on its last
-    token_lp = logits.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
+    token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
     if not with_entropy:
         return token_lp, None
     with torch.set_grad_enabled(entropy_grad):

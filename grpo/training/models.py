@@ -86,30 +86,23 @@ def torch_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else getattr(torch, name)
 
 
-def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.device,
-                   shard_over: list[int] | None = None):
-    """A causal LM on ``device``, or split layer-wise over the GPUs ``shard_over`` (HF device_map).
+def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.device):
+    """A causal LM on ``device``.
 
     Its embeddings grow to the tokenizer when ``load_tokenizer`` added a pad token, so the
     policy, the reference and every inference copy have the same parameter shapes.
     """
     _check_model_name(name)
-    kwargs = {}
-    if shard_over and len(shard_over) > 1:
-        # Layer-wise model parallelism: accelerate places consecutive layers on each GPU and moves
-        # activations between them, so a model larger than one GPU trains without FSDP processes.
-        kwargs = {"device_map": "balanced", "max_memory": {i: torch.cuda.get_device_properties(i).total_memory
-                                                             for i in shard_over}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except OSError as err:
         raise ModelLoadError(f"model.name={name!r}: cannot load the model ({err}). Offline? Pass a local path.") from err
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
-    return model if kwargs else model.to(device)
+    return model.to(device)
 
 
-def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):
+def load_policy_model(cfg, tokenizer, device: torch.device):
     """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing.
 
     It stays in eval mode (no dropout: the ratio pi_theta / pi_old must be 1 before any update);
@@ -117,8 +110,7 @@ def load_policy_model(cfg, tokenizer, device: torch.device, shard_over: list[int
     HF checkpoints activations only in train mode and, in train mode, ``generate`` drops its KV
     cache (a one-GPU run generates with this very object: it crashed, on CPU it produced garbage).
     """
-    model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.train_model.dtype, device), device=device,
-                           shard_over=shard_over)
+    model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.train_model.dtype, device), device=device)
     if cfg.train_model.lora.enabled:
         from peft import LoraConfig, get_peft_model
 
@@ -146,15 +138,13 @@ def enable_activation_checkpointing(model) -> None:
     model.disable_input_require_grads()
 
 
-def load_reference_model(cfg, tokenizer, device: torch.device, shard_over: list[int] | None = None):
-    """The starting policy, frozen: loaded from ``model.name`` again (also the base of LoRA runs),
-    split over the GPUs ``shard_over`` when it has several.
+def load_reference_model(cfg, tokenizer, device: torch.device):
+    """The starting policy, frozen: loaded from ``model.name`` again (also the base of LoRA runs).
 
     Loading rather than copying the policy keeps it the *initial* model on resume, and works
-    when the policy is split over several GPUs.
+    when the policy is sharded over ranks.
     """
-    ref = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device,
-                         shard_over=shard_over)
+    ref = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device)
     return ref.eval().requires_grad_(False)
 
 
