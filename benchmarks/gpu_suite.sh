@@ -6,7 +6,7 @@
 #   generation     rollout batches: eager decoding vs the compiled static-cache decode step, 0.5B shape
 #   syncasync sync vs async, tiny config, train on GPU 0 / generation on GPU 1 (issue 4)
 #   syncasync_05b  the same on a random-init Qwen2.5-0.5B shape, 64 new tokens
-#   sharded   the training model split over both GPUs (device_map), 0.5B shape (issue 3)
+#   sharded   the training model over both GPUs: 2 data-parallel FSDP2 ranks (num_devices=2), 0.5B shape (issue 30)
 #   job_05b, job_15b  sync vs async on the default job (grpo_gsm8k, 128 replies x 512 tokens), random-init
 #             Qwen2.5-0.5B / 1.5B shapes, train GPU 0 / generation GPU 1, one optimiser step a batch,
 #             one-step off-policy (train.buffer_size=0, max_policy_lag 2) (issue 28)
