@@ -36,6 +36,7 @@ from grpo.tasks.envs import load_splits, task_system_prompt
 from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, prompt_token_counts
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training import checkpoint
+from grpo.training.advantages import group_advantages
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, training_state
 from grpo.training.models import load_tokenizer
 from test_checkpoint import SMALL, _save, _trained, grpo_cmd, step_rows
@@ -66,6 +67,29 @@ def test_a_reward_that_is_inf_in_float32_stops_the_step(script, tmp_path):  # no
         train(script, tmp_path / "run", "env.task=generic", "env.prompt_key=question",
               f"reward.functions=[{tmp_path / 'huge.py'}:score]", "train.total_steps=2")
     assert not list_checkpoints(tmp_path / "run" / "checkpoints")
+
+
+def test_rewards_finite_in_float32_but_near_its_limit_give_finite_advantages():
+    """Rewards of 3e38 (finite in float32) overflowed the group sums and squares: NaN advantages, then a NaN
+    gradient stopped the run with "lower optimizer.lr", or with on_nonfinite=skip skipped every step silently."""
+    rewards = torch.tensor([3e38, 0.0, 3e38, 0.0, 1.0, 2.0, 3.0, 4.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    advantages = group_advantages(rewards, groups)
+    assert advantages.dtype == torch.float32 and bool(advantages.isfinite().all())
+    assert torch.allclose(advantages[:4], group_advantages(torch.tensor([3.0, 0.0, 3.0, 0.0]), groups[:4]))
+    assert torch.allclose(advantages[4:], group_advantages(rewards[4:], groups[4:]))
+
+
+def test_unscaled_advantages_that_overflow_stop_the_step_naming_the_reward(setup):  # noqa: F811
+    cfg, _, model, rollouts, _ = setup
+    rollouts = rollouts.clone()
+    reward = rollouts.get(("next", "reward"))
+    # the first reply's group: 3e38 over a mean near -1.5e38, a difference past float32's 3.4e38
+    rollouts.set(("next", "reward"), torch.where(torch.arange(reward.numel()).view_as(reward) == 0,
+                                                 torch.full_like(reward, 3e38), torch.full_like(reward, -3e38)))
+    step = make_step(cfg, model, loss_variant="dr_grpo")
+    with pytest.raises(NonFiniteError, match=r"advantages overflow float32: its rewards reach 3e\+38; scale the reward"):
+        step.prepare(rollouts)
 
 
 @pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
