@@ -8,13 +8,17 @@ start-up does not grow with the data.
 A full disk is simulated by ``shutil.disk_usage`` reporting little free space, and a write that fails by
 ``save_file`` raising ENOSPC as a full disk makes it."""
 
+import contextlib
 import errno
 import itertools
 import json
+import os
+import pty
 import re
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections import namedtuple
 from datetime import datetime
@@ -128,9 +132,8 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path):
 def test_a_disk_without_room_is_refused_before_the_write(tmp_path, monkeypatch):
     _save(tmp_path, 1)
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: Usage(10**9, 10**9 - 100, 100))
-    then = rf"then resume={re.escape(str(tmp_path.parent))}\.$"
-    with pytest.raises(CheckpointError, match=rf"checkpoint of step 2: [\d.]+ MiB needed and .* has 0.0 MiB free; free "
-                                              rf"[\d.]+ MiB there .*, {then}"):
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 2: [\d.]+ MiB needed and .* has 0.0 MiB free; free "
+                                              r"[\d.]+ MiB there .*, then resume the run from its last checkpoint\.$"):
         _save(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000001.json"]
     assert not list(tmp_path.glob("*.tmp"))
@@ -190,6 +193,19 @@ def test_a_run_whose_disk_holds_fewer_checkpoints_than_it_keeps_stops_before_tra
                                               r"logging.keep_last=3\): 22.6 MiB needed and .* has 20.0 MiB free"):
         train(script, tmp_path / "three", "train.total_steps=6", "train.checkpoint_frequency=2", "logging.keep_last=3")
     train(script, tmp_path / "one", "train.total_steps=2", "train.checkpoint_frequency=1", "logging.keep_last=1")
+
+
+def test_a_periodic_checkpoint_that_finds_no_room_ends_the_run_keeping_the_last_one(script, tmp_path,  # noqa: F811
+                                                                                   monkeypatch, capsys):
+    """It printed the same error twice (its emergency checkpoint tried again) and a traceback."""
+    calls = itertools.count()
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: Usage(10**10, 0, 10**9 if next(calls) < 2 else 10))
+    with pytest.raises(CheckpointError, match=r"^the checkpoint of step 4: [\d.]+ MiB needed and .* has 0.0 MiB free"):
+        train(script, tmp_path, "train.total_steps=6", "train.checkpoint_frequency=2")  # calls: start, step 2, step 4
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"step 4 failed (CheckpointError): its checkpoint was not written; the last checkpoint is "
+        f"{tmp_path}/checkpoints/step_00000002.json (resume={tmp_path})")
+    assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == ["step_00000002.json"]
 
 
 def test_a_run_ending_on_a_periodic_checkpoint_writes_it_once(script, tmp_path, capsys):  # noqa: F811
@@ -478,6 +494,30 @@ def test_reward_timeout_s_must_be_positive():
     assert compose("grpo_gsm8k").reward.timeout_s == 60
     with pytest.raises(ConfigError, match=r"reward.timeout_s=0 must be a number of seconds > 0"):
         validate_config(compose("grpo_tiny", ["reward.timeout_s=0"]))
+
+
+# ------------------------------------------------------------------------------------------------- SIGHUP
+
+def test_sighup_after_the_terminal_closed_checkpoints_and_stops(tmp_path):
+    """The ssh session closed: SIGHUP, and every write to the terminal fails with EIO. The handler's own line
+    (or the next eval line) raised, and the run ended with status 1, its last step's checkpoint unwritten."""
+    terminal, run_side = pty.openpty()
+    proc = subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=1000"), stdin=run_side, stdout=run_side,
+                            stderr=run_side, start_new_session=True)
+    os.close(run_side)
+
+    def take_output():  # what a terminal does, so that the run never blocks on a full one
+        with contextlib.suppress(OSError):  # EIO once the run side is closed, EBADF once this side is
+            while os.read(terminal, 65536):
+                pass
+
+    threading.Thread(target=take_output, daemon=True).start()
+    wait_for(proc, lambda: (tmp_path / "metrics.jsonl").exists() and step_rows(tmp_path), "a first step")
+    os.close(terminal)  # hung up: the run's writes to it now fail with EIO
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=300) == 128 + signal.SIGHUP
+    saved = list_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in saved] == [f"step_{max(step_rows(tmp_path)):08d}.json"]
 
 
 # --------------------------------------------------------------------------------------------- Ctrl-C twice

@@ -31,7 +31,7 @@ from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.devices import DeviceAllocation, allocate_devices
-from grpo.process.errors import ConfigError, UserError
+from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths,
                                 resolved_config, seed_everything, write_hydra_record)
 from grpo.process.world import World
@@ -286,6 +286,8 @@ def guard(run: Run, source):
             note = f"{failed} inside the optimiser update: no emergency checkpoint of half-updated weights; {last}"
         elif not trainer.weights_finite():
             note = f"{failed} with non-finite weights: no emergency checkpoint; {last}"
+        elif isinstance(err, CheckpointError):  # an emergency checkpoint would fail as this one did
+            note = f"{failed}: its checkpoint was not written; {last}"
         elif trainer.completed_rng is None or saved == trainer.completed_step:
             # a bad input's own one line says it all when there is nothing to save
             note = None if isinstance(err, UserError) else \

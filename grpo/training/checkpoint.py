@@ -163,7 +163,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, r
         raise CheckpointError(f"step {step}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}); no "
                               f"checkpoint written, the earlier ones in {ckpt_dir} are kept.")
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20  # + the JSON, generously
-    check_free_space(ckpt_dir, need, f"the checkpoint of step {step}", f"resume={ckpt_dir.parent}")
+    check_free_space(ckpt_dir, need, f"the checkpoint of step {step}", "resume the run from its last checkpoint")
 
     tmp, tensors_file = ckpt_dir / f"step_{step:08d}.safetensors.tmp", None
     path, json_tmp = ckpt_dir / f"step_{step:08d}.json", ckpt_dir / f"step_{step:08d}.json.tmp"
