@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 from grpo.inference.generation import inference_state_dict
@@ -53,7 +54,7 @@ def export_model(model, tokenizer, out_dir, state: dict | None = None) -> Path:
         generation.eos_token_id = stop_token_ids(tokenizer, base.generation_config)  # the ids rollouts stopped at
         generation.pad_token_id = tokenizer.pad_token_id  # may be one load_tokenizer added
         generation.save_pretrained(partial)
-    except OSError as err:  # a full disk: no half-written export left behind
+    except (OSError, SafetensorError) as err:  # a full disk (safetensors raises its own error): no half-written export
         shutil.rmtree(partial, ignore_errors=True)
         raise ExportError(f"the export to {out_dir} could not be written ({err}); free space and run "
                           "python -m grpo.export <run dir> <out> (the checkpoints are kept).") from err

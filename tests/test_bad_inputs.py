@@ -270,7 +270,7 @@ CASES = [
     case("empty-question", gsm8k_train(GOOD[:2] + [{"question": "  ", "answer": "#### 4"}]), DataError,
          "split 'train' row 2", "question must be non-empty text"),
     case("not-utf8", gsm8k_train(jsonl(GOOD[:2]).encode() + jsonl(GOOD[2:3]).encode().replace(b"What", b"Wh\xe9t")),
-         DataError, "env.dataset=", "split 'train'", "UTF8", "save the file as UTF-8"),
+         DataError, "env.dataset=", "split 'train' row 2, column 'question'", "UTF8", "save the file as UTF-8"),
     case("answer-four-in-words", gsm8k_train(GOOD + [{"question": "What is 2 + 2?", "answer": "2 + 2\n#### four"}]),
          UserWarning, "split 'train'", "not a number", "row 16", "always score 0"),
     case("one-row-dataset", gsm8k_train(GOOD[:1]), UserWarning, "split 'train' has 1 row(s)",

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from grpo.process.errors import RunDirError
 from grpo.rollout.replies import Replies
 from grpo.training.batch import group_ids, through_first_stop
 
@@ -39,6 +40,7 @@ class RunLogger:
         self._file = open(self.path, "a", buffering=1)
         self._samples_file = None  # opened at the first samples: a run that logs none gets no file
         self._samples_table = None
+        self.failed = False  # a write failed (and said so): closing then only lets go of the files
         self.wandb = None
         if cfg.logger == "wandb":
             self.wandb = _start_wandb(cfg, self.run_dir, resolved_config, wandb_run_id)
@@ -49,18 +51,20 @@ class RunLogger:
 
     def log(self, row: dict) -> None:
         row = {k: (float(v) if hasattr(v, "item") else v) for k, v in row.items()}
-        self._file.write(json.dumps(row) + "\n")
+        self._write(self._file, json.dumps(row) + "\n")
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
         """Replies to read (``reply_samples``' rows): appended to ``samples.jsonl``, printed in short, and added
         to the wandb table ``samples``."""
-        if self._samples_file is None:
-            self._samples_file = open(self.run_dir / "samples.jsonl", "a", buffering=1)
         rows = [{"step": step, **sample} for sample in samples]
-        for row in rows:
-            self._samples_file.write(json.dumps(row) + "\n")
+        try:
+            if self._samples_file is None:
+                self._samples_file = open(self.run_dir / "samples.jsonl", "a", buffering=1)
+        except OSError as err:
+            raise self._failure(self.run_dir / "samples.jsonl", err) from err
+        self._write(self._samples_file, "".join(json.dumps(row) + "\n" for row in rows))
         tqdm.write("\n".join(console_lines(step, rows)))
         if self.wandb is not None:
             import wandb
@@ -71,14 +75,33 @@ class RunLogger:
                 self._samples_table.add_data(*(row[c] for c in SAMPLE_COLUMNS))
             self.wandb.log({"samples": self._samples_table}, step=step)
 
+    def _write(self, file, text: str) -> None:
+        try:
+            file.write(text)
+        except OSError as err:  # a full disk mid-run: one line, not a traceback from the middle of a step
+            raise self._failure(Path(file.name), err) from err
+
+    def _failure(self, path: Path, err: OSError) -> RunDirError:
+        self.failed = True
+        return RunDirError(f"{path} could not be written ({err.strerror or err}); free space on its disk (or make "
+                           f"it writable), then resume={self.run_dir} continues from the run's last checkpoint.")
+
     def close(self, exit_code: int = 0) -> None:
-        self._file.close()
-        if self._samples_file is not None:
-            self._samples_file.close()
+        for file in (self._file, self._samples_file):
+            try:
+                if file is not None:
+                    file.close()  # closed even when its flush fails
+            except OSError as err:
+                if not self.failed:  # a failed write said so already; its buffered rest fails again here
+                    raise self._failure(Path(file.name), err) from err
         if self.wandb is not None:
             self.wandb.finish(exit_code=exit_code)
             self.wandb = None
-        plot_metrics(self.path, self.run_dir / "metrics.png")
+        try:
+            if not self.failed:  # its disk, full, just failed a write
+                plot_metrics(self.path, self.run_dir / "metrics.png")
+        except OSError as err:  # a plot: metrics.jsonl holds what it shows
+            warnings.warn(f"metrics.png not written ({err.strerror or err}); metrics.jsonl holds the same rows")
 
 
 def reply_samples(replies: Replies, count: int, tokenizer, stop_ids: list[int]) -> list[dict]:

@@ -31,7 +31,7 @@ from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.devices import DeviceAllocation, allocate_devices
-from grpo.process.errors import ConfigError, UserError
+from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
 from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths,
                                 resolved_config, seed_everything, write_hydra_record)
@@ -81,6 +81,8 @@ class Run:
     def checkpoint_if_due(self, extras: Callable[[], dict], force: bool = False, rng: dict | None = None) -> None:
         """``extras``: what the rollout source keeps in a checkpoint (its ``state``), asked only when one is due."""
         freq = self.cfg.train.checkpoint_frequency
+        if self.records.last_checkpoint and self.records.last_checkpoint[0] == self.step:
+            return  # the end of a run whose last step was a periodic one wrote step N twice, needing room for both
         if force or (freq and self.step % freq == 0):
             counters = {"step": self.step, "policy_version": self.trainer.policy_version,
                         "last_eval_step": self.evaluator.last_eval_step}
@@ -151,8 +153,13 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,
                         num_envs=min(cfg.eval.batch_size, num_eval_problems), shuffle=False)
-    if not eval_only:  # a disk that cannot hold one checkpoint would lose every step of the run at its end
-        ckpt.check_free_space(run_dir, 3 * trainer.trainable_bytes(), "one checkpoint of this run (weights and AdamW)")
+    if not eval_only:  # a disk that cannot hold the run's checkpoints would lose every step since the last one
+        written = len(ckpt.list_checkpoints(run_dir / cfg.logging.checkpoint_dir))
+        at_once = checkpoints_at_once(cfg, payload["step"] if payload else 0, written)
+        ckpt.check_free_space(run_dir, (at_once - written) * 3 * trainer.trainable_bytes(),
+                              f"this run's checkpoints (weights and AdamW, {at_once} on disk at once with "
+                              f"logging.keep_last={cfg.logging.keep_last})",
+                              "run again (or point hydra.run.dir at a larger disk)")
     logger = RunLogger(str(run_dir), cfg, config_record,
                        wandb_run_id=payload.get("wandb_run_id") if payload and not eval_only else None)
     event = "eval_only" if eval_only else "resume" if payload else "start"
@@ -170,6 +177,15 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
                evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
+
+
+def checkpoints_at_once(cfg, start_step: int, written: int) -> int:
+    """The most checkpoints a run from ``start_step`` holds on disk at once, ``written`` (by a run it resumes)
+    included: each new one is written before ``logging.keep_last`` prunes the oldest; at least one more."""
+    freq, total = cfg.train.checkpoint_frequency, cfg.train.total_steps
+    due = {s for s in range(start_step + 1, total + 1) if freq and s % freq == 0} | {total}
+    keep_last = cfg.logging.keep_last
+    return max(written + 1, min(keep_last, written + len(due) - 1) + 1 if keep_last else written + len(due))
 
 
 def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Trainer:
@@ -256,8 +272,12 @@ def guard(run: Run, source):
                 records.export(run.step, trainer.policy_model, trainer.whole_weights(), run.tokenizer)
         exit_code, ended = 0, "evaluated (train.total_steps=0)" if run.eval_only else "finished"
     except StopRequested as stop:
-        tqdm.write(f"stopping after step {run.step}: {stop}; writing a checkpoint")
-        run.checkpoint_if_due(source.state, force=True)
+        rng = None
+        if stop.within_step:  # the step in progress is dropped: the checkpoint is of the last one finished
+            run.step, rng = trainer.completed_step, trainer.completed_rng
+        if rng is not None or not stop.within_step:
+            tqdm.write(f"stopping after step {run.step}: {stop}; writing a checkpoint")
+            run.checkpoint_if_due(source.state, force=True, rng=rng)
         ended = f"stopped after step {run.step} ({stop})"
         raise SystemExit(stop.exit_code)
     except Exception as err:
@@ -268,6 +288,8 @@ def guard(run: Run, source):
             note = f"{failed} inside the optimiser update: no emergency checkpoint of half-updated weights; {last}"
         elif not trainer.weights_finite():
             note = f"{failed} with non-finite weights: no emergency checkpoint; {last}"
+        elif isinstance(err, CheckpointError):  # an emergency checkpoint would fail as this one did
+            note = f"{failed}: its checkpoint was not written; {last}"
         elif trainer.completed_rng is None or saved == trainer.completed_step:
             # a bad input's own one line says it all when there is nothing to save
             note = None if isinstance(err, UserError) else \

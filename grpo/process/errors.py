@@ -39,6 +39,11 @@ class CheckpointError(UserError, OSError):
     """A checkpoint that must not or cannot be written: non-finite weights, or no room on its disk."""
 
 
+class RunDirError(UserError, OSError):
+    """A file of the run dir that cannot be written (a full disk, a folder removed): the run stops, its last
+    checkpoint kept."""
+
+
 class NonFiniteError(UserError, ArithmeticError):
     """A reward, loss or gradient that is not a finite number: the optimiser step it would feed is not taken."""
 

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import socket
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -105,11 +106,37 @@ def resolved_config(cfg) -> dict:
 
 
 class StopRequested(Exception):
-    """SIGTERM/SIGHUP/SIGINT arrived; raised at the next step boundary so the checkpoint is consistent."""
+    """SIGTERM/SIGHUP/SIGINT arrived; raised at the next step boundary so the checkpoint is consistent, or
+    ``within_step`` by a wait that must not outlast it (``raise_if_stop_signalled``)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, within_step: bool = False):
         super().__init__(f"received {signal.Signals(signum).name}")
-        self.exit_code = 128 + signum
+        self.exit_code, self.within_step = 128 + signum, within_step
+
+
+_signalled: int | None = None  # the stop signal the run's StopFlag took, for waits on other threads or processes
+
+
+def raise_if_stop_signalled(waiting_on: str) -> None:
+    """For a wait with no end in sight (a reward function that may hang, rollout workers): a stop signal ends
+    it at once. A hung call used to hold the run past SIGTERM's grace period (60 s and still hung), and then
+    SIGKILL lost every step since the last checkpoint; the step in progress is dropped instead, and the
+    last finished one checkpointed."""
+    if _signalled is not None:
+        print(f"stopping inside the step in progress (waiting on {waiting_on}): it is dropped", file=sys.stderr,
+              flush=True)
+        raise StopRequested(_signalled, within_step=True)
+
+
+def detach_from_terminal() -> None:
+    """Send what goes to a terminal to /dev/null: after a hangup (the ssh session closed) every write to it
+    fails with EIO, and the first, a progress bar's or this handler's own line, ended the run with status 1
+    (measured with a pty closed under a grpo_tiny run). Output redirected to files keeps going there."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        if stat.S_ISCHR(os.fstat(fd).st_mode):  # a terminal (isatty is False once it hung up: EIO)
+            os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 class StopFlag:
@@ -117,7 +144,9 @@ class StopFlag:
     Ctrl-C stops the run at once, without a checkpoint. ``last_checkpoint``: what the run keeps then, in words."""
 
     def __init__(self, last_checkpoint: Callable[[], str]):
+        global _signalled
         self.signum: int | None = None
+        _signalled = None
         self.last_checkpoint = last_checkpoint
         self.install()
 
@@ -133,7 +162,10 @@ class StopFlag:
             print(f"\ninterrupted again: stopping now without a checkpoint; {self.last_checkpoint()}", file=sys.stderr,
                   flush=True)
             raise SystemExit(128 + signum)
-        self.signum = signum
+        global _signalled
+        if signum == signal.SIGHUP:
+            detach_from_terminal()
+        self.signum = _signalled = signum
         print(f"\n{signal.Signals(signum).name}: finishing this step, then checkpointing and exiting "
               "(Ctrl-C again to stop now, without a checkpoint)", file=sys.stderr, flush=True)
 

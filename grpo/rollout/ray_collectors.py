@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 from grpo.inference.generation import EngineSettings, as_state_dict, tensor_place
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.errors import UserError
-from grpo.process.setup import ray_pythonpath
+from grpo.process.setup import raise_if_stop_signalled, ray_pythonpath
 from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, serve_from
 from grpo.tasks.user_rewards import take_reward_seconds
@@ -193,6 +193,7 @@ class RolloutPool:
             by_ref = {entry[0]: entry for entry in oldest.values()}
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=1.0)  # returns now and then: Ctrl-C stays live
             if not ready:
+                raise_if_stop_signalled("rollout workers")  # whose reward function may hang
                 continue
             entry = by_ref[ready[0]]
             self.assigned.remove(entry)

@@ -111,8 +111,21 @@ def load_split(
     try:  # bytes that are not UTF-8 load fine and fail only when their row is drawn, mid-training
         ds.data.table.validate(full=True)
     except pyarrow.ArrowInvalid as err:
-        raise DataError(f"{key}={name_or_path!r} split {split!r}: {err}; save the file as UTF-8.") from err
+        where = _first_undecodable(ds.data.table)
+        raise DataError(f"{key}={name_or_path!r} split {split!r}{where}: {err}; save the file as UTF-8.") from err
     return ds
+
+
+def _first_undecodable(table) -> str:
+    """`` row N, column 'c'`` of the first text that is not UTF-8 ("Column 0: In chunk 0: ... string index 50"
+    named neither), or nothing when Arrow's complaint is another one."""
+    for name in table.column_names:
+        for i, value in enumerate(table.column(name)):
+            try:
+                value.as_py()
+            except UnicodeDecodeError:
+                return f" row {i}, column {name!r}"
+    return ""
 
 
 class PromptStream:

@@ -73,7 +73,7 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Compose, Transform
 
 from grpo.process.errors import ConfigError, RewardTimeout
-from grpo.process.setup import REPO_ROOT
+from grpo.process.setup import REPO_ROOT, raise_if_stop_signalled
 from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
 
 FIXED_ARGUMENTS = ("prompt", "reply")  # every call offers these; "answer" too when env.answer_key is set
@@ -138,12 +138,17 @@ class RewardFunction:
         threading.Thread(target=make_calls, name=f"reward function {self.fn.__name__}", daemon=True).start()
         values = []
         for rows, _ in calls:
-            try:
-                returned, value = results.get(timeout=timeout_s)
-            except queue.Empty:
+            deadline = time.monotonic() + timeout_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    returned, value = results.get(timeout=min(left, 0.5))
+                    break
+                except queue.Empty:
+                    raise_if_stop_signalled(f"{self.key} on {rows}")
+            else:
                 raise RewardTimeout(f"{self.key} took longer than reward.timeout_s={timeout_s:g} s on {rows} ({where}) "
                                     "and was abandoned; make it return sooner (does it wait on a lock, a server, "
-                                    "input?), or raise reward.timeout_s if it is only slow.") from None
+                                    "input?), or raise reward.timeout_s if it is only slow.")
             if not returned:
                 raise value
             values.append(value)

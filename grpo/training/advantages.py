@@ -22,10 +22,11 @@ def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor, scale_by_std
     """
     _, group = torch.unique(group_ids, return_inverse=True)
     n_groups = int(group.max()) + 1
-    count = torch.zeros(n_groups).index_add_(0, group, torch.ones_like(reward))
-    mean = torch.zeros(n_groups).index_add_(0, group, reward) / count
-    sq = torch.zeros(n_groups).index_add_(0, group, (reward - mean[group]) ** 2)
+    # in float64: rewards of 3e38, finite in float32, overflowed its group sums and squares to NaN advantages
+    r = reward.double()
+    count = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, torch.ones_like(r))
+    mean = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, r) / count
+    sq = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, (r - mean[group]) ** 2)
     std = (sq / (count - 1).clamp_min(1)).sqrt()
-    if not scale_by_std:
-        return reward - mean[group]
-    return (reward - mean[group]) / std[group].clamp_min(1e-6)
+    advantage = r - mean[group] if not scale_by_std else (r - mean[group]) / std[group].clamp_min(1e-6)
+    return advantage.to(reward.dtype)

@@ -118,7 +118,7 @@ def micro_batch_rows(batch: TensorDict, max_rows: int, max_tokens: int | None, m
 def rollout_metrics(replies: Replies, batch: TensorDict) -> dict:
     """What a step trained on: reward, success, reply lengths and truncation, and which data rows."""
     metrics = {
-        "reward": batch["reward"].mean().item(),
+        "reward": batch["reward"].double().mean().item(),  # double: rewards near 3.4e38 overflow a float32 sum
         "success_rate": replies.success.float().mean().item(),
         "response_length": batch["reply_length"].float().mean().item(),
         "response_length_max": int(batch["reply_length"].max()),

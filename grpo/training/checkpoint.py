@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from grpo.process.errors import CheckpointError, ResumeError
@@ -115,12 +116,18 @@ def non_finite(tensors: dict) -> list[str]:
     return [name for name, t in tensors.items() if t.is_floating_point() and not bool(t.isfinite().all())]
 
 
-def check_free_space(folder: Path, need: int, what: str) -> None:
-    """Refuse to start a write of ``need`` bytes into ``folder`` that its disk cannot hold."""
+def size_text(size: int) -> str:
+    """Bytes in GiB, or MiB under one GiB (a tiny model's checkpoint read "0.01 GiB")."""
+    return f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+
+
+def check_free_space(folder: Path, need: int, what: str, then: str) -> None:
+    """Refuse to start a write of ``need`` bytes into ``folder`` that its disk cannot hold; ``then``: what to do
+    once there is room."""
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise CheckpointError(f"{what} needs {need / 2**30:.2f} GiB and {folder} has {free / 2**30:.2f} GiB free; free "
-                              f"{(need - free) / 2**30:.2f} GiB (older run dirs, logging.keep_last=1) and resume.")
+        raise CheckpointError(f"{what}: {size_text(need)} needed and {folder} has {size_text(free)} free; free "
+                              f"{size_text(need - free)} there (older run dirs, logging.keep_last=1), then {then}.")
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, resolved_config: dict,
@@ -156,22 +163,26 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, r
         raise CheckpointError(f"step {step}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}); no "
                               f"checkpoint written, the earlier ones in {ckpt_dir} are kept.")
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20  # + the JSON, generously
-    check_free_space(ckpt_dir, need, f"the checkpoint of step {step}")
+    check_free_space(ckpt_dir, need, f"the checkpoint of step {step}", "resume the run from its last checkpoint")
 
-    tmp = ckpt_dir / f"step_{step:08d}.safetensors.tmp"
+    tmp, tensors_file = ckpt_dir / f"step_{step:08d}.safetensors.tmp", None
+    path, json_tmp = ckpt_dir / f"step_{step:08d}.json", ckpt_dir / f"step_{step:08d}.json.tmp"
     try:
         _write_durably(tmp, lambda p: save_file(tensors, p))
-    except OSError as err:  # a full disk mid-write: free what was written, keep the older checkpoints
+        digest = _sha256(tmp)
+        tensors_file = ckpt_dir / f"step_{step:08d}.{digest[:16]}.safetensors"
+        os.replace(tmp, tensors_file)  # a new name: the JSON of an earlier save of this step still points at its own
+        record["tensors"] = {"file": tensors_file.name, "sha256": digest}
+        _write_durably(json_tmp, lambda p: p.write_text(json.dumps(record, indent=1)))
+    except (OSError, SafetensorError) as err:  # a full disk mid-write (safetensors: "No space left on device
+        # (os error 28)" as a SafetensorError): free what was written, keep the older checkpoints
         tmp.unlink(missing_ok=True)
+        json_tmp.unlink(missing_ok=True)
+        if tensors_file is not None and not path.exists():  # named by no JSON (an earlier save's may be this file)
+            tensors_file.unlink(missing_ok=True)
         raise CheckpointError(f"the checkpoint of step {step} could not be written to {ckpt_dir} ({err}); it needs "
-                              f"{need / 2**30:.2f} GiB. The earlier checkpoints there are kept.") from err
-    digest = _sha256(tmp)
-    tensors_file = ckpt_dir / f"step_{step:08d}.{digest[:16]}.safetensors"
-    os.replace(tmp, tensors_file)  # a new name: the JSON of an earlier save of this step still points at its own
-    record["tensors"] = {"file": tensors_file.name, "sha256": digest}
-    path, tmp = ckpt_dir / f"step_{step:08d}.json", ckpt_dir / f"step_{step:08d}.json.tmp"
-    _write_durably(tmp, lambda p: p.write_text(json.dumps(record, indent=1)))
-    os.replace(tmp, path)  # the commit
+                              f"{size_text(need)}. The earlier checkpoints there are kept.") from err
+    os.replace(json_tmp, path)  # the commit
     dir_fd = os.open(ckpt_dir, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the renames themselves survive a power cut

@@ -135,6 +135,10 @@ class GRPOStep:
             metrics["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
         batch["advantage"] = group_advantages(batch["reward"], batch["group_id"],
                                               scale_by_std=self.s.loss_variant != "dr_grpo")
+        if not bool(batch["advantage"].isfinite().all()):  # dr_grpo's unscaled differences of rewards near 3.4e38
+            raise NonFiniteError(f"the step's advantages overflow float32: its rewards reach "
+                                 f"{float(batch['reward'].abs().max()):.3g}; scale the reward (reward.functions) to "
+                                 "ordinary sizes (say within +-1e6); no update was made.")
         metrics |= {"advantage_std": batch["advantage"].std().item(), "advantage_mean": batch["advantage"].mean().item()}
         if self.s.overlong_filter:  # after the advantages: a cut reply still counts in its group's baseline
             batch["reply_mask"] = batch["reply_mask"] & batch["reply_stopped"][:, None]
@@ -184,7 +188,8 @@ class GRPOStep:
                     if not bool(grad_norm.isfinite()):
                         if s.on_nonfinite == "stop":
                             raise NonFiniteError(
-                                f"the gradient norm is {float(grad_norm)} (loss {float(weighted_loss(terms, s))}) "
+                                f"the gradient norm is {float(grad_norm)} "
+                                f"(loss {float(weighted_loss(terms, s).detach())}) "
                                 "before an optimiser step, which was not taken: the weights are as before it. "
                                 "Lower optimizer.lr, or set train.on_nonfinite=skip to skip such steps.")
                         skipped += 1
