@@ -39,6 +39,7 @@ from grpo.process.config import validate_config
 from grpo.process.errors import (CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout,
                                  RunDirError)
 from grpo.process.setup import RunDirClaim
+from grpo.rollout.replies import Replies
 from grpo.tasks import prompt_checks
 from grpo.tasks.envs import load_splits, task_system_prompt
 from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, check_prompt_text, prompt_token_counts
@@ -90,14 +91,12 @@ def test_rewards_finite_in_float32_but_near_its_limit_give_finite_advantages():
 
 def test_unscaled_advantages_that_overflow_stop_the_step_naming_the_reward(setup):  # noqa: F811
     cfg, _, model, rollouts, _ = setup
-    rollouts = rollouts.clone()
-    reward = rollouts.get(("next", "reward"))
+    replies = Replies.from_collector(rollouts)
     # the first reply's group: 3e38 over a mean near -1.5e38, a difference past float32's 3.4e38
-    rollouts.set(("next", "reward"), torch.where(torch.arange(reward.numel()).view_as(reward) == 0,
-                                                 torch.full_like(reward, 3e38), torch.full_like(reward, -3e38)))
+    replies.reward = torch.where(torch.arange(len(replies)) == 0, torch.tensor(3e38), torch.tensor(-3e38))
     step = make_step(cfg, model, loss_variant="dr_grpo")
     with pytest.raises(NonFiniteError, match=r"advantages overflow float32: its rewards reach 3e\+38; scale"):
-        step.prepare(rollouts)
+        step.prepare(replies)
 
 
 @pytest.mark.parametrize("on_nonfinite", ["stop", "skip"])
