@@ -430,3 +430,44 @@ def test_trainer_ranks_is_the_train_gpu_count():
     assert trainer_ranks(make_cfg("train_model.devices=[1,2]")) == 2
     with pytest.raises(DeviceAllocationError, match=r"train_model.num_devices=0 must be an int >= 1"):
         trainer_ranks(make_cfg("train_model.num_devices=0"))
+
+
+def rank_engines(*overrides: str, visible: int):
+    """Sync as grpo.py asks: an engine per trainer rank at most."""
+    cfg = make_cfg(*overrides)
+    return allocate_devices(cfg, inference_engines=trainer_ranks(cfg) or 1, dedicated_inference=SYNC,
+                            visible_gpus=visible)
+
+
+@pytest.mark.parametrize("overrides,visible,inference", [
+    (["inference_model.colocate=true"], 2, [0, 1]),  # each rank generates on its own train GPU
+    ([], 4, [2, 3]),  # or on an inference GPU of its own
+    (["allow_cpu=true"], 0, []),
+])
+def test_sync_with_an_inference_gpu_per_rank_generates_on_every_rank(overrides, visible, inference):
+    alloc = rank_engines("train_model.num_devices=2", "inference_model.num_devices=2", *overrides, visible=visible)
+    assert alloc.generating_ranks == 2 and alloc.inference == inference
+    if visible:
+        assert [alloc.for_rank(rank, 2).inference for rank in (0, 1)] == [[i] for i in inference]
+
+
+def test_sync_with_one_inference_gpu_generates_on_rank_0_alone():
+    alloc = rank_engines("train_model.num_devices=2", "inference_model.colocate=true", visible=2)
+    assert alloc.generating_ranks == 1 and alloc.inference == [0] and alloc.for_rank(1, 2).inference == [0]
+
+
+@pytest.mark.parametrize("overrides,visible,error", [
+    (["train_model.num_devices=3", "inference_model.num_devices=2"], 3,
+     r"inference_model has 2 GPUs but train_model has 3: sync generates on rank 0 alone \(1 inference GPU\) or on "
+     r"every trainer rank, one engine each \(3 GPU\(s\) visible\). "
+     r"Fix: inference_model.num_devices=1 or inference_model.num_devices=3$"),
+    (["train_model.num_devices=2", "inference_model.num_devices=3", "allow_cpu=true"], 0,
+     r"inference_model has 3 GPUs but sync generates with one engine on one GPU \(rank 0's\) or one per trainer rank "
+     r"\(2\): 1 would idle \(0 GPU\(s\) visible\). Fix: inference_model.num_devices=2, or run the async script"),
+    (["train_model.num_devices=2", "inference_model.num_devices=2", "env.num_envs=24", "env.repeats=8"], 0,
+     r"env.num_envs=24 holds 3 prompts \(x env.repeats=8\), which 2 generating ranks cannot split by whole prompts. "
+     r"Fix: env.num_envs=16 or inference_model.num_devices=1$"),
+])
+def test_sync_generating_ranks_that_cannot_work_are_one_line(overrides, visible, error):
+    with pytest.raises(DeviceAllocationError, match=error):
+        rank_engines(*overrides, "allow_cpu=true", "inference_model.colocate=true", visible=visible)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, compose_in_run_dir
+from grpo.rollout import local_rollouts
 from grpo.training import checkpoint
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint
 from grpo.training.step import GRPOStep
@@ -37,7 +38,7 @@ def train(script, run_dir, *overrides):
 
 def fail_generating(monkeypatch, script, batch: int) -> None:
     """The collector raises once it has generated its ``batch``-th batch, as a sampler error would."""
-    make_collector = script.make_collector
+    make_collector = local_rollouts.make_collector
 
     def make(env, policy, frames):
         collector = make_collector(env, policy, frames)
@@ -52,7 +53,7 @@ def fail_generating(monkeypatch, script, batch: int) -> None:
         collector.__class__ = type("FailingCollector", (type(collector),), {"__iter__": failing})
         return collector
 
-    monkeypatch.setattr(script, "make_collector", make)
+    monkeypatch.setattr(local_rollouts, "make_collector", make)  # where the script's source builds its collector
 
 
 def checkpoint_names(run_dir):

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from conftest import SHORT_RUN, compose_in_run_dir, sync_script
 from grpo.loop.logger import read_metrics
 from grpo.loop.run import start_run
+from grpo.rollout import local_rollouts
 from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.checkpoint import load_checkpoint
@@ -64,10 +65,10 @@ def test_a_finished_run_ends_with_its_summary(finished_tiny_run):
     assert (run_dir / "metrics.png").is_file() and checkpoint.is_file() and (run_dir / "export" / "config.json").is_file()
 
 
-def test_a_stopped_run_ends_with_its_summary(tmp_path, capsys):
+def test_a_stopped_run_ends_with_its_summary(tmp_path, capsys, monkeypatch):
     """SIGTERM after the first batch: the step finishes, a checkpoint is written, the summary says where."""
     with sync_script() as script:
-        make_collector = script.make_collector
+        make_collector = local_rollouts.make_collector
 
         def terminated_after_one_batch(env, policy, frames):
             collector = make_collector(env, policy, frames)
@@ -81,7 +82,7 @@ def test_a_stopped_run_ends_with_its_summary(tmp_path, capsys):
             collector.__class__ = type("Preempted", (type(collector),), {"__iter__": batches_then_sigterm})
             return collector
 
-        script.make_collector = terminated_after_one_batch
+        monkeypatch.setattr(local_rollouts, "make_collector", terminated_after_one_batch)  # the script's source's
         with pytest.raises(SystemExit) as stopped:
             script.train(compose_in_run_dir(tmp_path, [*SHORT_RUN, "train.total_steps=5"]))
     assert stopped.value.code == 128 + signal.SIGTERM

@@ -37,6 +37,7 @@ from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested,
                                 resolved_config, seed_everything, write_hydra_record)
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import draw_step_batch
+from grpo.rollout.local_rollouts import RankGeneration
 from grpo.tasks.envs import load_splits, make_env, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.training import checkpoint as ckpt
@@ -202,10 +203,10 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
 
 
 def follow_run() -> int:
-    """A data-parallel rank other than 0 (rank 0 started it, or torchrun): no config, run dir, engine or output of
-    its own; it ends with rank 0, however that ends (``exit_with_leader``). It
-    builds the trainer rank 0 built, from the config rank 0 checked and sends, then runs each collective
-    rank 0 leads (``Trainer.follow``); returns the exit status rank 0 ends with."""
+    """A data-parallel rank other than 0 (rank 0 started it, or torchrun): no config, run dir or output of its own,
+    and an engine only where every rank generates (sync, ``DeviceAllocation.generating_ranks``); it ends with rank 0,
+    however that ends (``exit_with_leader``). It builds the trainer rank 0 built, from the config rank 0 checked and
+    sends, then runs each collective rank 0 leads (``Trainer.follow``); returns the exit status rank 0 ends with."""
     exit_with_leader()
     set_list_to_stack(True).set()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # torchrun forwards them, and a terminal's Ctrl-C reaches every rank
@@ -215,7 +216,17 @@ def follow_run() -> int:
     if command == "stop":  # rank 0 ended before it trained: a bad config or data set, say
         return args[0]
     cfg, devices = args
-    return make_trainer(cfg, load_tokenizer(cfg.model.name), devices, world).follow()
+    tokenizer = load_tokenizer(cfg.model.name)
+    trainer = make_trainer(cfg, tokenizer, devices, world)
+    if devices.generating_ranks == 1:
+        return trainer.follow()
+    # sync with an engine per rank: this rank generates its share of every step too
+    generation = RankGeneration(cfg, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config),
+                                devices.for_rank(world.rank, world.size).torch_device("inference"), world)
+    try:
+        return trainer.follow(generation)
+    finally:
+        generation.shutdown()
 
 
 def train_loop(run: Run, source) -> Run:
@@ -233,7 +244,7 @@ def train_loop(run: Run, source) -> Run:
                     dynamic=cfg.train.dynamic_sampling, max_extra_batches=cfg.train.max_extra_generation_batches)
                 metrics = run.train_on(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
                 source.commit()                   # its prompt batches now count as trained
-                metrics |= source.after_update(run.trainer.engine_weights(), run.trainer.policy_version)
+                metrics |= source.after_update(run.trainer.engine_weights, run.trainer.policy_version)  # gathers only if due
                 run.records.log_step(step, metrics | filtering | source.step_metrics(), t0)
                 run.evaluate_if_due()
                 run.checkpoint_if_due(source.state)

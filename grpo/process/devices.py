@@ -13,6 +13,11 @@ engine generates on one GPU, so inference never gets more GPUs than engines. The
 free GPUs; without its own ``num_devices``/``devices`` it falls back to the train GPUs when none is
 free. It never sits on a GPU that only inference uses.
 
+In sync, rank 0 alone generates (one inference GPU, the default), or every trainer rank does, each on its own
+engine (as many inference GPUs as ranks: rank ``r`` on the ``r``-th, its own train GPU with
+``inference_model.colocate=true``; on the CPU, ``inference_model.num_devices`` = the rank count), each its share
+of every prompt batch, whole prompts, so a batch's prompts must split evenly over them.
+
 Each train GPU is one data-parallel trainer rank (``grpo.process.launch`` starts them), holding an FSDP2 shard
 of the policy and one whole reference, so the reference never has more GPUs than training. With no GPU and
 ``allow_cpu=true``, ``train_model.num_devices=N`` is N gloo ranks on the CPU; the other keys are checked only.
@@ -43,6 +48,7 @@ class DeviceAllocation:
     num_visible: int = 0
     gpu_memory_utilization: float | None = None
     notes: dict[str, str] = field(default_factory=dict)
+    generating_ranks: int = 1  # sync: how many trainer ranks generate, each on its own engine (1: rank 0 alone)
 
     def torch_device(self, role: str) -> torch.device:
         """The first GPU of ``role`` ("train", "ref" or "inference"), or the CPU when it has none."""
@@ -53,8 +59,9 @@ class DeviceAllocation:
 
     def for_rank(self, rank: int, size: int) -> DeviceAllocation:
         """What data-parallel rank ``rank`` of ``size`` trains on: its own train GPU, and one whole reference, beside
-        it where the reference shares the train GPUs, else on reference GPU ``rank % len(ref)``. The CPU: this
-        allocation (every rank a gloo process on the CPU)."""
+        it where the reference shares the train GPUs, else on reference GPU ``rank % len(ref)``; where every rank
+        generates, its own inference GPU, the ``rank``-th. The CPU: this allocation (every rank a gloo process on
+        the CPU)."""
         if self.cpu:
             return self
         if len(self.train) != size:
@@ -63,7 +70,8 @@ class DeviceAllocation:
                                         f"Fix: train_model.num_devices={size}")
         own = [self.train[rank]]
         ref = own if self.ref == self.train else self.ref[rank % len(self.ref):][:1]
-        return replace(self, train=own, ref=ref)
+        inference = self.inference[rank:][:1] if self.generating_ranks > 1 else self.inference
+        return replace(self, train=own, ref=ref, inference=inference)
 
     def torch_devices(self, role: str) -> list[torch.device]:
         """Every GPU of ``role``, or ``[cpu]`` when it has none."""
@@ -151,7 +159,8 @@ def _visible(visible_gpus: int | list[int] | None) -> list[int]:
 
 def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inference: bool,
                      visible_gpus: int | list[int] | None = None) -> DeviceAllocation:
-    """GPU ids for each model; ``visible_gpus=None`` counts the GPUs torch sees."""
+    """GPU ids for each model; ``visible_gpus=None`` counts the GPUs torch sees. ``inference_engines``: the most
+    engines the script can start (async: its collectors; sync: one per trainer rank)."""
     if isinstance(inference_engines, bool) or not isinstance(inference_engines, int) or inference_engines < 1:
         raise ValueError(f"inference_engines must be an int >= 1, got {inference_engines!r}")
     visible = _visible(visible_gpus)
@@ -165,12 +174,14 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
         raise DeviceAllocationError(f"inference_model.gpu_memory_utilization={gmu!r} must be in (0, 1]. "
                                     f"Fix: inference_model.gpu_memory_utilization=0.5")
     notes = {} if use_ref else {"ref": "no reference model (train.use_kl_to_ref=false)"}
+    generating = 1 if dedicated_inference else _generating_ranks(cfg, train, inf, inference_engines, vis)
 
     if n == 0:
         if not _flag(cfg, "allow_cpu", False):
             raise DeviceAllocationError("No GPU visible for the train, ref and inference models. "
                                         "Fix: allow_cpu=true (tiny models only) or run on a GPU machine")
-        return DeviceAllocation([], [], [], cpu=True, gpu_memory_utilization=gmu, notes=notes)
+        return DeviceAllocation([], [], [], cpu=True, gpu_memory_utilization=gmu, notes=notes,
+                                generating_ranks=generating)
     if dedicated_inference and n < 2:
         raise DeviceAllocationError(f"The async script keeps training and inference on separate GPUs but {vis}. "
                                     f"Fix: run the sync script (it shares one GPU) or make 2 GPUs visible")
@@ -193,16 +204,12 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
     need = {"train_model": 0 if train.devices else train.count,
             "inference_model": 0 if inf.devices or inf_shares else inf.count,
             "ref_model": 0 if not use_ref or ref.devices or ref_on_train else ref.count}
-    if inf.count > inference_engines:
+    if dedicated_inference and inf.count > inference_engines:
         k, e = inf.count, inference_engines
         fix = f"inference_model.devices={_ids(inf.devices[:e])}" if inf.devices else f"inference_model.num_devices={e}"
-        if dedicated_inference:
-            why = f"train.num_collectors={e} starts {e} generation engine(s), one GPU each"
-            fix += f" or train.num_collectors={k}" if sum(need.values()) <= len(pool) else ""
-        else:
-            why = "sync generates with one engine on one GPU"
-            fix += f", or run the async script with train.num_collectors={k}"
-        raise DeviceAllocationError(f"inference_model has {k} GPUs but {why}: {k - e} would idle ({vis}). Fix: {fix}")
+        fix += f" or train.num_collectors={k}" if sum(need.values()) <= len(pool) else ""
+        raise DeviceAllocationError(f"inference_model has {k} GPUs but train.num_collectors={e} starts {e} generation "
+                                    f"engine(s), one GPU each: {k - e} would idle ({vis}). Fix: {fix}")
     if n > 1:
         has_spare = len(pool) > sum(need.values())  # an unclaimed GPU nobody needs
         _check_sharing(train, inf, ref, vis, has_spare, dedicated_inference, inf_shares, ref.colocate)
@@ -238,8 +245,37 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
         notes["ref"] = "on the train GPUs" + (" (ref_model.colocate=true)" if ref.colocate else ": no free GPU left")
     colocated = bool(set(train_ids) & set(inf_ids))
     notes["inference"] = f"gpu_memory_utilization={gmu}" + ("; shares a GPU with training" if colocated else "")
+    if generating > 1:
+        notes["inference"] += f"; each of the {generating} trainer ranks generates on its own"
     return DeviceAllocation(list(train_ids), list(ref_ids), list(inf_ids), colocated=colocated, num_visible=n,
-                            gpu_memory_utilization=gmu, notes=notes)
+                            gpu_memory_utilization=gmu, notes=notes, generating_ranks=generating)
+
+
+def _generating_ranks(cfg: Mapping, train: _Request, inf: _Request, engines: int, vis: str) -> int:
+    """Sync: 1 (rank 0 generates) or, with one inference GPU per trainer rank, every rank, each its share of every
+    prompt batch by whole prompts. More inference GPUs than ranks is ``allocate_devices``' idle-GPU error."""
+    k, t = inf.count, train.count
+    if k > engines:
+        fix = f"inference_model.devices={_ids(inf.devices[:engines])}" if inf.devices else \
+            f"inference_model.num_devices={engines}"
+        raise DeviceAllocationError(f"inference_model has {k} GPUs but sync generates with one engine on one GPU "
+                                    f"(rank 0's) or one per trainer rank ({engines}): {k - engines} would idle "
+                                    f"({vis}). Fix: {fix}, or run the async script with train.num_collectors={k}")
+    if k == 1:
+        return 1
+    if k != t:
+        raise DeviceAllocationError(f"inference_model has {k} GPUs but train_model has {t}: sync generates on rank 0 "
+                                    f"alone (1 inference GPU) or on every trainer rank, one engine each ({vis}). "
+                                    f"Fix: inference_model.num_devices=1 or inference_model.num_devices={t}")
+    env = cfg.get("env") or {}
+    num_envs, repeats = env.get("num_envs"), env.get("repeats")
+    if num_envs is not None and repeats and (num_envs // repeats) % k:
+        prompts = num_envs // repeats
+        fit = max(k, prompts // k * k) * repeats
+        raise DeviceAllocationError(f"env.num_envs={num_envs} holds {prompts} prompts (x env.repeats={repeats}), "
+                                    f"which {k} generating ranks cannot split by whole prompts. "
+                                    f"Fix: env.num_envs={fit} or inference_model.num_devices=1")
+    return k
 
 
 def _check_sharing(train: _Request, inf: _Request, ref: _Request, vis: str, has_spare: bool,

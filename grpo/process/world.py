@@ -7,8 +7,8 @@ of each micro-batch, cut from the minibatch the same way on every rank: the rank
 number of forward/backward passes, which FSDP2's collectives need, and the loss is exact whatever
 the number of ranks (each term a sum divided by the global minibatch's totals; gradients summed).
 
-Rank 0 leads a run: it generates, evaluates and writes everything (metrics, samples, checkpoints, the
-export). The other ranks follow (``Trainer.follow``): each waits for rank 0 to name the next collective
+Rank 0 leads a run: it generates (in sync, every rank may generate its share: ``grpo.rollout.local_rollouts``),
+evaluates and writes everything (metrics, samples, checkpoints, the export). The other ranks follow (``Trainer.follow``): each waits for rank 0 to name the next collective
 (a GRPO step on the batch it sends, a state gather for a checkpoint or a weight push, or the end of the
 run), so a rank never needs to know the run's schedule, and a failure on rank 0 between collectives
 still reaches the others as a stop.
@@ -86,6 +86,14 @@ class World:
         for rank, part in enumerate(parts):
             out[rank::self.size] = part[:len(range(rank, n_rows, self.size))].to(out.device)
         return out
+
+    def gather_to_main(self, value) -> list | None:
+        """Rank 0: every rank's ``value`` (any picklable object), in rank order; the other ranks: None."""
+        if self.size == 1:
+            return [value]
+        values = [None] * self.size if self.is_main else None
+        dist.gather_object(value, values, dst=0)
+        return values
 
     def lead(self, command: str, *args) -> None:
         """Rank 0: name the collective every rank runs next, with its arguments; the other ranks wait for it

@@ -1,11 +1,13 @@
-"""Sync rollouts: TorchRL's collector over the training env, generating with this process's engine.
+"""Sync rollouts: TorchRL's collector over the training env, generating with this process's engine; over several
+trainer ranks that each have an engine, every rank generates its share of each prompt batch.
 
 A rollout source (this one, and the Ray pool of ``ray_collectors.RolloutPool``) is what the loop of
 ``grpo.loop.run`` draws from:
 
     next_rollouts(trainer_version)  one collection of whole groups, as ``grpo.rollout.replies.Replies``
     commit()                        the step that took them finished: their prompts count as trained
-    after_update(weights, version)  hand the engines the new weights (Trainer.engine_weights) when due; returns
+    after_update(weights, version)  hand the engines the new weights when due, asking ``weights()``
+                                    (Trainer.engine_weights: on several ranks a gather) only then; returns
                                     the push's metrics
     step_metrics()                  how generation went since the last call
     state()                         what a checkpoint keeps of it (the prompt stream)
@@ -14,46 +16,141 @@ A rollout source (this one, and the Ray pool of ``ray_collectors.RolloutPool``) 
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 import time
+from collections.abc import Callable
 
+import torch
+
+from grpo.inference.engine import make_inference
+from grpo.inference.generation import EngineSettings
+from grpo.process.errors import UserError
+from grpo.process.world import World
 from grpo.rollout.replies import Replies
-from grpo.tasks.data import PromptLedger, serve_from
+from grpo.tasks.data import PromptLedger, data_primer, serve_from
+from grpo.tasks.envs import make_collector, make_env
 from grpo.tasks.user_rewards import take_reward_seconds
 
 
 class CollectorRollouts:
     """The collector draws prompt batch after batch from where ``ledger`` says; weights reach the
-    engine after every GRPO step."""
+    engine after every GRPO step. Over ``world``'s ranks (each with an engine, ``rank_rollouts``), rank 0 leads
+    each collection, every rank generates its share of the prompt batches, and rank 0 gathers the shares in rank
+    order: the whole batch, each prompt's group whole, which rank 0 then trains on as it would on its own."""
 
-    def __init__(self, cfg, env, collector, ledger: PromptLedger, engine):
-        self.env, self.collector, self.ledger, self.engine = env, collector, ledger, engine
-        serve_from(env, collector, ledger.sequential_start())  # the collector then draws batch after batch
+    def __init__(self, cfg, env, collector, ledger: PromptLedger, engine, world: World = World()):
+        self.env, self.collector, self.ledger, self.engine, self.world = env, collector, ledger, engine, world
+        start = ledger.sequential_start()
+        world.lead("rollouts", start)  # the other ranks build theirs, from the batch rank 0's ledger says
+        serve_from(env, collector, start)  # the collector then draws batch after batch
         self.batches = iter(collector)
         self.batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
         self.taken: list[int] = []  # the prompt batches this step's collections drew
-        self.generation_s = 0.0
+        self.generation_s = self.slowest_rank_s = 0.0
+        self.engines_mismatched = 0
 
-    def next_rollouts(self, trainer_version: int) -> Replies:
-        """One collection: G replies for each prompt, with sampler log-probs."""
+    def next_rollouts(self, trainer_version: int, seed: int | None = None) -> Replies | None:
+        """One collection: G replies for each prompt, with sampler log-probs (the other ranks: None, their share
+        sent to rank 0, sampled from ``seed``, which rank 0 drew and leads the collection with)."""
+        if self.world.size > 1:  # every rank's sampling follows rank 0's RNG, which checkpoints keep: resume is exact
+            if self.world.is_main:
+                seed = int(torch.randint(2**62, ()))
+                self.world.lead("generate", trainer_version, seed)
+            torch.manual_seed(seed + self.world.rank)
         t0 = time.perf_counter()
         self.taken.extend(self.ledger.take() for _ in range(self.batches_per_step))  # the batches it draws next
-        rollouts = Replies.from_collector(next(self.batches))
+        own, failure = None, None
+        try:
+            own = Replies.from_collector(next(self.batches))
+        except Exception as err:  # noqa: BLE001 - every rank must reach the gather: rank 0 raises it after
+            if self.world.size == 1:
+                raise
+            failure = err
+        own_s = time.perf_counter() - t0
+        # each engine's weights, read back: every push must have reached every rank's engine
+        checksum = self.engine.weights_checksum() if self.world.size > 1 else None
+        shares = self.world.gather_to_main((own, own_s, checksum, sendable(failure)))
         self.generation_s += time.perf_counter() - t0
-        return rollouts
+        if shares is None:
+            return None  # a failure here is rank 0's to raise; this rank goes on following it
+        if failure is not None:
+            raise failure
+        for rank, (_, _, _, err) in enumerate(shares):
+            if err is not None:  # a user error (a NaN reward) keeps its type and one-line message
+                raise err if isinstance(err, UserError) else RuntimeError(f"rank {rank} failed generating ({err})")
+        self.slowest_rank_s += max(seconds for _, seconds, _, _ in shares)
+        self.engines_mismatched += sum(rank_checksum != checksum for _, _, rank_checksum, _ in shares)
+        return Replies.cat([replies for replies, _, _, _ in shares])
 
     def commit(self) -> None:
         self.ledger.consume(self.taken)
         self.taken.clear()
 
-    def after_update(self, weights, version: int) -> dict:
-        return {"weight_sync_s": self.engine.push_weights(weights, version)}
+    def after_update(self, weights: Callable[[], object], version: int) -> dict:
+        return {"weight_sync_s": self.engine.push_weights(weights(), version)}
 
     def step_metrics(self) -> dict:
         generation_s, self.generation_s = self.generation_s, 0.0
-        return {"generation_s": generation_s, "reward_s": take_reward_seconds(self.env)}  # reward_s: part of generation_s
+        metrics = {"generation_s": generation_s, "reward_s": take_reward_seconds(self.env)}  # reward_s: rank 0's, part of generation_s
+        if self.world.size > 1:  # the slowest rank's own generation; engines that missed a push (must stay 0)
+            metrics |= {"generation_s_slowest_rank": self.slowest_rank_s,
+                        "engine_weights_mismatched": self.engines_mismatched}
+            self.slowest_rank_s = 0.0
+        return metrics
 
     def state(self) -> dict:
         return {"prompt_stream": self.ledger.state()}
 
     def shutdown(self) -> None:
         self.collector.shutdown()
+
+
+def sendable(err: Exception | None):
+    """A rank's error as it travels to rank 0: a user error itself (its one line is the run's report) where it
+    pickles, any other as its type and message."""
+    if isinstance(err, UserError):
+        with contextlib.suppress(Exception):  # whatever stops it pickling
+            pickle.dumps(err)
+            return err
+    return None if err is None else f"{type(err).__name__}: {err}"
+
+
+def rank_rollouts(cfg, tokenizer, engine, ledger: PromptLedger, world: World = World()) -> CollectorRollouts:
+    """This rank's sync source over ``engine``: an env of ``1/world.size`` of ``env.num_envs``, drawing this rank's
+    share of every prompt batch (prompts ``r*P/N .. (r+1)*P/N`` of batch ``b`` of ``P``; ``allocate_devices`` checked
+    that they split), and a collector of its share of each step's replies."""
+    env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
+                   num_envs=cfg.env.num_envs // world.size)
+    data_primer(env).dataloader.share_of(world.rank, world.size, cfg.env.num_envs // cfg.env.repeats)
+    collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch // world.size)
+    return CollectorRollouts(cfg, env, collector, ledger, engine, world)
+
+
+class RankGeneration:
+    """A trainer rank other than 0 generating its share of each sync step (``Trainer.follow`` runs it): its engine,
+    built from the first weights rank 0 gathers (``Trainer.engine_weights``) and given every later gather's; its
+    source, built when rank 0 builds its own (``rollouts``, with the prompt batch rank 0's ledger starts at); then
+    each collection rank 0 leads (``generate``)."""
+
+    def __init__(self, cfg, tokenizer, stop_ids: list[int], device, world: World):
+        self.cfg, self.tokenizer, self.stop_ids, self.device, self.world = cfg, tokenizer, stop_ids, device, world
+        self.engine, self.source = None, None
+        self.commands = {"rollouts": self.start, "generate": lambda version, seed: self.source.next_rollouts(version, seed)}
+
+    def take_weights(self, weights, version: int) -> None:
+        if self.engine is None:
+            self.engine = make_inference(EngineSettings.from_config(self.cfg), weights, self.tokenizer,
+                                         stop_ids=self.stop_ids, device=self.device)
+        else:
+            self.engine.push_weights(weights, version)
+
+    def start(self, batch_index: int) -> None:
+        ledger = PromptLedger({"next_batch": batch_index, "pending": []})  # rank 0 keeps the run's ledger
+        self.source = rank_rollouts(self.cfg, self.tokenizer, self.engine, ledger, self.world)
+
+    def shutdown(self) -> None:
+        if self.source is not None:
+            self.source.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import ray
 import torch
@@ -172,13 +173,14 @@ class RolloutPool:
         self.ledger.consume(self.taken)
         self.taken = []
 
-    def after_update(self, weights, version: int) -> dict:
+    def after_update(self, weights: Callable[[], object], version: int) -> dict:
         """A push every ``train.weight_update_frequency`` optimiser steps (``grpo.rollout.local_rollouts``: what a
-        rollout source does); ``weights``: the policy, or its whole weights (``Trainer.engine_weights``)."""
+        rollout source does); ``weights()``: the policy, or its whole weights gathered over the trainer's ranks
+        (``Trainer.engine_weights``), asked only when a push is due."""
         if version - self.pushed_version < self.cfg.train.weight_update_frequency:
             return {}
         self.pushed_version = version
-        return {"weight_sync_s": self.push_weights(as_state_dict(weights), version=version)}
+        return {"weight_sync_s": self.push_weights(as_state_dict(weights()), version=version)}
 
     def state(self) -> dict:
         return {"prompt_stream": self.ledger.state()}

@@ -155,16 +155,30 @@ class PromptStream:
 
 class StreamLoader:
     """What a ``DataLoadingPrimer`` draws from: one-row batches of ``rows`` at consecutive stream
-    positions from ``position`` on, endlessly, each carrying its ``row_index`` (logged per step)."""
+    positions from ``position`` on, endlessly, each carrying its ``row_index`` (logged per step).
+    ``share_of`` makes it one rank's share of each stream batch instead."""
 
     def __init__(self, rows, *, seed: int, shuffle: bool, collate_fn):
         self.rows, self.collate_fn = rows, collate_fn
         self.stream = PromptStream(len(rows), seed=seed, shuffle=shuffle)
         self.position = 0
+        self.rank, self.ranks, self.share = 0, 1, 1
+
+    def share_of(self, rank: int, ranks: int, batch_size: int) -> None:
+        """Rank ``rank`` of ``ranks`` generating together: its batch ``k`` (``batch_size / ranks`` prompts) is the
+        ``rank``-th of ``ranks`` equal parts of the stream's batch ``k`` of ``batch_size`` prompts."""
+        if batch_size % ranks:
+            raise ValueError(f"a batch of {batch_size} prompts does not split over {ranks} ranks")
+        self.rank, self.ranks, self.share = rank, ranks, batch_size // ranks
+
+    def stream_position(self, position: int) -> int:
+        """Where this loader's ``position``-th prompt sits in the stream."""
+        batch, offset = divmod(position, self.share)
+        return (batch * self.ranks + self.rank) * self.share + offset
 
     def __iter__(self):
         while True:  # reads self.position each time: serve_from moves it between draws
-            row = self.stream.row(self.position)
+            row = self.stream.row(self.stream_position(self.position))
             self.position += 1
             batch = self.collate_fn([self.rows[row]])
             batch.set("row_index", torch.tensor([row]))

@@ -66,8 +66,12 @@ class Trainer:
 
     def engine_weights(self):
         """What a weight push sends: the policy itself (an engine beside it on its device and dtype shares it),
-        or, sharded over ranks, its whole weights."""
-        return self.whole_weights() if is_sharded(self.policy_model) else self.policy_model
+        or, sharded over ranks, its whole weights, gathered on every rank: a rank with an engine of its own
+        (``follow``'s ``generation``) takes them into it too."""
+        if not is_sharded(self.policy_model):
+            return self.policy_model
+        self.world.lead("engine_weights")
+        return inference_state_dict(self.policy_model)
 
     def update(self, rollouts, step: int) -> dict:
         # the other ranks step on rank 0's rollouts (grpo.rollout.replies.Replies): a few flat arrays, ~1 MB per
@@ -78,15 +82,19 @@ class Trainer:
         self.completed_step, self.completed_rng, self.half_updated = step, ckpt.rng_state(), False
         return metrics | {"policy_version": self.policy_version}
 
-    def follow(self) -> int:
+    def follow(self, generation=None) -> int:
         """A rank other than 0: run each collective rank 0 leads until it leads the end of the run, and return
-        the exit status it ends with. A user error raised in a command (a NaN reward, a NaN gradient norm) is
+        the exit status it ends with. ``generation``: this rank's share of generating
+        (``grpo.rollout.local_rollouts.RankGeneration``): its commands, and the engine each weight gather fills. A user error raised in a command (a NaN reward, a NaN gradient norm) is
         raised on rank 0 too, from the same rollouts and global norm: rank 0 reports it and leads what follows
         (an emergency checkpoint, the end). Any other error ends this rank, which closes its connections: rank
         0's next collective then fails at once instead of waiting for gloo's timeout."""
         commands = {"update": self.update, "checkpoint_state": self.checkpoint_state,
-                    "whole_weights": self.whole_weights,
+                    "whole_weights": self.whole_weights, "engine_weights": self.engine_weights,
                     "restore": lambda path: self.restore(ckpt.load_checkpoint(path), path)}
+        if generation is not None:
+            commands |= generation.commands
+            commands["engine_weights"] = lambda: generation.take_weights(self.engine_weights(), self.policy_version)
         while True:
             command, args = self.world.next_command()
             if command == "stop":
