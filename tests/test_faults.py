@@ -38,7 +38,7 @@ from grpo.loop.run import checkpoints_at_once
 from grpo.process.config import validate_config
 from grpo.process.errors import (CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout,
                                  RunDirError)
-from grpo.process.setup import RunDirClaim
+from grpo.process.setup import RunDirClaim, StopFlag, raise_if_interrupted_twice
 from grpo.rollout.replies import Replies
 from grpo.tasks import prompt_checks
 from grpo.tasks.envs import load_splits, task_system_prompt
@@ -536,6 +536,37 @@ def test_ctrl_c_twice_stops_at_once_in_one_line(tmp_path):
                         rf"(\S+) \(resume={re.escape(str(tmp_path))}\)", stderr.splitlines()[-1])
     assert said and Path(said.group(1)) in list_checkpoints(tmp_path / "checkpoints"), stderr[-3000:]
 
+
+
+def test_an_error_raised_in_place_of_the_second_ctrl_c_still_ends_the_run_quietly():
+    """The second Ctrl-C's SystemExit landed inside a tensordict's ``with td.view(...)``, whose exit raised its own
+    error in its place: a traceback and exit 1 instead of 130 (one test run in 700). Once a second Ctrl-C came,
+    the error that ends the run is its consequence."""
+    class FailingCleanup:  # a library context manager whose exit fails while the SystemExit passes through
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            raise RuntimeError("a library's cleanup failed on the way out")
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+    try:
+        flag = StopFlag(lambda: "this run has no checkpoint")
+        flag._handle(signal.SIGINT, None)
+        raise_if_interrupted_twice()  # one Ctrl-C: the run finishes its step, no stop here
+        with pytest.raises(SystemExit) as end:
+            try:
+                with FailingCleanup():
+                    flag._handle(signal.SIGINT, None)
+            except Exception:
+                raise_if_interrupted_twice()
+                raise
+        assert end.value.code == 128 + signal.SIGINT and end.value.__cause__ is None
+        StopFlag(lambda: "")  # a new run's flag starts clear
+        raise_if_interrupted_twice()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 # ------------------------------------------------------------------------------------------ 100,000 rows
 

@@ -33,8 +33,8 @@ from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
-from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, resolve_local_paths,
-                                resolved_config, seed_everything, write_hydra_record)
+from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, raise_if_interrupted_twice,
+                                resolve_local_paths, resolved_config, seed_everything, write_hydra_record)
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
@@ -292,6 +292,7 @@ def guard(run: Run, source):
         ended = f"stopped after step {run.step} ({stop})"
         raise SystemExit(stop.exit_code)
     except Exception as err:
+        raise_if_interrupted_twice()  # no emergency checkpoint: the user asked to stop now
         failed = f"step {run.step} failed ({type(err).__name__})"
         saved = records.last_checkpoint[0] if records.last_checkpoint else None
         last = records.last_checkpoint_note()
