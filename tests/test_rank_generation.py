@@ -3,10 +3,6 @@ draws its share of each prompt batch, whole prompts, on its own engine, which ev
 the prompt batches one rank would and learns as one rank does; a kill -9 and ``resume=`` continue it exactly."""
 
 import json
-import os
-import signal
-import subprocess
-import time
 from collections import Counter
 
 import pytest
@@ -17,7 +13,7 @@ from grpo.process.setup import resolve_local_paths
 from grpo.tasks.data import PromptStream, data_primer
 from grpo.tasks.envs import make_env
 from grpo.training.models import load_tokenizer
-from test_ranks import STEPS, all_gone, assert_same_weights, command, run, trained
+from test_ranks import STEPS, all_gone, assert_same_weights, command, kill_after_step_2_checkpoint, run, trained
 
 EVERY_RANK_GENERATES = ["inference_model.num_devices=2"]
 
@@ -90,14 +86,7 @@ def test_a_generating_two_rank_run_killed_after_a_checkpoint_resumes_exactly(run
     batches of the run never stopped, samples the same replies (every rank's sampling follows rank 0's RNG, which
     the checkpoint keeps), and ends with its weights."""
     overrides = [*STEPS, *EVERY_RANK_GENERATES]
-    proc = subprocess.Popen(command(tmp_path, overrides, ranks=2, torchrun=False), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    checkpoint, deadline = tmp_path / "checkpoints" / "step_00000002.json", time.monotonic() + 240
-    while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert checkpoint.exists() and not (tmp_path / "export").exists()  # killed after the checkpoint, before the end
+    kill_after_step_2_checkpoint(command(tmp_path, overrides, ranks=2, torchrun=False), tmp_path)
     steps, export = trained(tmp_path, [*overrides, f"resume={tmp_path}"], ranks=2, torchrun=False)
     uninterrupted, uninterrupted_export, _ = runs[2]
     assert sorted(steps) == [1, 2, 3, 4]

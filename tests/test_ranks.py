@@ -158,17 +158,21 @@ def test_more_ranks_than_gpus_is_an_error_before_any_starts(monkeypatch):
             pass
 
 
-def test_a_two_rank_run_killed_after_a_checkpoint_resumes_to_the_same_weights(uninterrupted, tmp_path):
-    """kill -9 of every rank (and torchrun) once the step-2 checkpoint is written; ``resume=`` on 2 ranks
-    ends with the weights of the run that was never stopped."""
-    proc = subprocess.Popen(command(tmp_path, STEPS, ranks=2), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    checkpoint, deadline = tmp_path / "checkpoints" / "step_00000002.json", time.monotonic() + 240
+def kill_after_step_2_checkpoint(cmd: list[str], run_dir) -> None:
+    """Run ``cmd`` (a 2-rank run into ``run_dir``) and kill -9 every process of it once the step-2 checkpoint is
+    written, before the run's end."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    checkpoint, deadline = run_dir / "checkpoints" / "step_00000002.json", time.monotonic() + 240
     while not checkpoint.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert checkpoint.exists() and not (tmp_path / "export").exists()  # killed after the checkpoint, before the end
+    assert checkpoint.exists() and not (run_dir / "export").exists()  # killed after the checkpoint, before the end
+
+def test_a_two_rank_run_killed_after_a_checkpoint_resumes_to_the_same_weights(uninterrupted, tmp_path):
+    """kill -9 of every rank (and torchrun) once the step-2 checkpoint is written; ``resume=`` on 2 ranks
+    ends with the weights of the run that was never stopped."""
+    kill_after_step_2_checkpoint(command(tmp_path, STEPS, ranks=2), tmp_path)
     steps, export = trained(tmp_path, [*STEPS, f"resume={tmp_path}"], ranks=2)
     assert sorted(steps) == [1, 2, 3, 4]
     assert_same_weights(export, uninterrupted[2][1])
