@@ -104,6 +104,10 @@ class _Request:
     def count(self) -> int:  # GPUs asked for
         return len(self.devices) if self.devices else self.num or 1
 
+    def fewer(self, n: int) -> str:
+        """The override that asks for ``n`` of these GPUs: the first ``n`` of its ``devices``, or ``num_devices``."""
+        return f"{self.key}.devices={_ids(self.devices[:n])}" if self.devices else f"{self.key}.num_devices={n}"
+
 
 def _ids(ids) -> str:
     return "[" + ",".join(map(str, ids)) + "]"
@@ -206,7 +210,7 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
             "ref_model": 0 if not use_ref or ref.devices or ref_on_train else ref.count}
     if dedicated_inference and inf.count > inference_engines:
         k, e = inf.count, inference_engines
-        fix = f"inference_model.devices={_ids(inf.devices[:e])}" if inf.devices else f"inference_model.num_devices={e}"
+        fix = inf.fewer(e)
         fix += f" or train.num_collectors={k}" if sum(need.values()) <= len(pool) else ""
         raise DeviceAllocationError(f"inference_model has {k} GPUs but train.num_collectors={e} starts {e} generation "
                                     f"engine(s), one GPU each: {k - e} would idle ({vis}). Fix: {fix}")
@@ -225,7 +229,7 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
                                         f"train_model has {train.count} ({vis}). Fix: " + " or ".join(fixes))
     if use_ref and ref.count > train.count:  # its own GPUs: each rank holds one whole reference on one of them
         k, t = ref.count, train.count
-        fix = f"ref_model.devices={_ids(ref.devices[:t])}" if ref.devices else f"ref_model.num_devices={t}"
+        fix = ref.fewer(t)
         raise DeviceAllocationError(f"ref_model has {k} GPUs but train_model has {t}: each trainer rank holds one "
                                     f"whole reference model on one GPU, so {k - t} would idle ({vis}). Fix: {fix}")
 
@@ -256,8 +260,7 @@ def _generating_ranks(cfg: Mapping, train: _Request, inf: _Request, engines: int
     prompt batch by whole prompts. More inference GPUs than ranks is ``allocate_devices``' idle-GPU error."""
     k, t = inf.count, train.count
     if k > engines:
-        fix = f"inference_model.devices={_ids(inf.devices[:engines])}" if inf.devices else \
-            f"inference_model.num_devices={engines}"
+        fix = inf.fewer(engines)
         raise DeviceAllocationError(f"inference_model has {k} GPUs but sync generates with one engine on one GPU "
                                     f"(rank 0's) or one per trainer rank ({engines}): {k - engines} would idle "
                                     f"({vis}). Fix: {fix}, or run the async script with train.num_collectors={k}")

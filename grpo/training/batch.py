@@ -34,8 +34,9 @@ def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
 def to_training_batch(replies: Replies, pad_token_id: int, stop_token_ids: list[int]) -> TensorDict:
     """The replies as one dense batch (see the module docstring)."""
     stop_ids = torch.tensor(stop_token_ids, dtype=torch.long)
-    ends = [through_first_stop(r, stop_ids) for r in replies.replies()]
-    kept = [(r[:end], lp[:end]) for r, lp, end in zip(replies.replies(), replies.log_probs(), ends)]
+    tokens = replies.replies()
+    ends = [through_first_stop(r, stop_ids) for r in tokens]
+    kept = [(r[:end], lp[:end]) for r, lp, end in zip(tokens, replies.log_probs(), ends)]
     prompt_len, reply_len = replies.prompt_lengths.clone(), torch.tensor(ends, dtype=torch.long)
     n, width_p, width_r = len(replies), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
     input_ids = torch.full((n, width_p + width_r), pad_token_id, dtype=torch.long)
