@@ -11,8 +11,10 @@
 #             Qwen2.5-0.5B / 1.5B shapes, train GPU 0 / generation GPU 1, one optimiser step a batch,
 #             one-step off-policy (train.buffer_size=0, max_policy_lag 2) (issue 28)
 #   layouts   every two-GPU layout docs/devices.md documents, sync and async, compiled decode step, 0.5B shape
-#             (LAYOUTS picks some of: sync_split async_split sync_colocated sync_train_both)
+#             (LAYOUTS picks some of: sync_split async_split sync_colocated sync_train_both sync_all_both)
 #   train_ranks  the train part on 1 and 2 data-parallel ranks (FSDP2), 1.5B shape (issue 30)
+#   ranks_15b the default job (grpo_gsm8k, 128 replies x 512 tokens) with both GPUs training and generating:
+#             2 FSDP2 ranks, one engine each, random-init Qwen2.5-1.5B shape (issue 30)
 # Usage: OUT=/some/dir PARTS="trl syncasync" bash benchmarks/gpu_suite.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -56,12 +58,13 @@ print('   step_time_s', [round(r['step_time_s'], 2) for r in rows], 'generation_
       'pushes verified', rows[-1].get('weight_pushes_verified'))" 2>&1 | tail -2
 }
 
-build_05b() {
-  [ -d /tmp/q05 ] || python3 -c "
+# a random-init model of a bench_vs_trl shape, once: build SHAPE DIR
+build() {
+  [ -d "$2" ] || python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
 from pathlib import Path
 from bench_vs_trl import build_random_init_model
-build_random_init_model('qwen2.5-0.5b', 'assets/tiny-model', Path('/tmp/q05'), seed=0)" > /dev/null
+build_random_init_model('$1', 'assets/tiny-model', Path('$2'), seed=0)" > /dev/null
 }
 
 for part in $PARTS; do
@@ -86,20 +89,35 @@ for part in $PARTS; do
     job_05b) job 0.5b 330 ;;
     job_15b) job 1.5b 560 ;;
     layouts)
-      build_05b
-      for name in ${LAYOUTS:-sync_split async_split sync_colocated sync_train_both}; do
+      build qwen2.5-0.5b /tmp/q05
+      for name in ${LAYOUTS:-sync_split async_split sync_colocated sync_train_both sync_all_both}; do
         case $name in
           sync_split) layout sync_split grpo.py ;;
           async_split) layout async_split grpo-async.py ;;
           sync_colocated) layout sync_colocated grpo.py inference_model.colocate=true ;;
           sync_train_both) layout sync_train_both grpo.py train_model.num_devices=2 inference_model.colocate=true ;;
+          sync_all_both) layout sync_all_both grpo.py train_model.num_devices=2 inference_model.num_devices=2 \
+                           inference_model.colocate=true ;;
         esac
       done ;;
     train_ranks)
       timeout 300 python3 benchmarks/bench_train_ranks.py --ranks 2 --shape qwen2.5-1.5b > "$OUT/train_ranks.log" 2>&1
       echo "== train_ranks rc=$?"; grep "^{" "$OUT/train_ranks.log"; grep -v "^{" "$OUT/train_ranks.log" | tail -5 ;;
+    ranks_15b)
+      build qwen2.5-1.5b /tmp/q15
+      timeout 420 python3 grpo/grpo.py train.total_steps=4 model.name=/tmp/q15 env.dataset=data/gsm8k_tiny \
+        inference_model.backend=transformers train_model.num_devices=2 inference_model.num_devices=2 \
+        inference_model.colocate=true eval.frequency=0 eval.num_problems=16 eval.max_new_tokens=16 logger=none \
+        logging.progress_bar=false logging.export=false "hydra.run.dir=$OUT/ranks_15b" \
+        > "$OUT/ranks_15b.log" 2>&1
+      echo "== ranks_15b rc=$?"; grep -A4 "^Devices" "$OUT/ranks_15b.log"; tail -3 "$OUT/ranks_15b.log"
+      python3 -c "
+import json
+rows = [json.loads(l) for l in open('$OUT/ranks_15b/metrics.jsonl') if '\"step_time_s\"' in l]
+for r in rows: print('   ', {k: round(v, 2) for k, v in r.items() if k.endswith('_s') or 'memory' in k})" 2>&1 | tail -5
+      rm -rf "$OUT/ranks_15b/checkpoints" ;;
     sharded)
-      build_05b
+      build qwen2.5-0.5b /tmp/q05
       timeout 200 python3 grpo/grpo.py --config-name grpo_tiny train.total_steps=3 model.name=/tmp/q05 \
         eval.frequency=0 eval.num_problems=32 logging.progress_bar=false logger=none allow_cpu=false \
         train_model.dtype=bfloat16 ref_model.dtype=bfloat16 inference_model.dtype=bfloat16 \
