@@ -3,6 +3,7 @@
 in one invocation: seconds, the N-rank speed-up and each rank's peak memory against one rank's.
 
     python benchmarks/bench_train_ranks.py --ranks 2 --shape qwen2.5-1.5b           # N GPUs of one host
+    python benchmarks/bench_train_ranks.py --ranks 2 --variants "" train_model.gather_dtype=bfloat16  # FSDP2 settings
     python benchmarks/bench_train_ranks.py --ranks 2 --device cpu --shape tiny-wide-vocab --replies 16 \\
         --max-new-tokens 32 --lengths real                                           # gloo, a smoke run
 
@@ -41,6 +42,10 @@ def parse_args(argv=None):
     p.add_argument("--lengths", default="cap", help="reply lengths: cap (all at the cap) or real (spread)")
     p.add_argument("--repeats", type=int, default=2, help="timed optimize calls")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", nargs="*", default=[""], help="N-rank runs to compare with one rank, each a "
+                   "comma-separated list of Hydra overrides ('' = the default config), e.g. "
+                   "train_model.gather_dtype=bfloat16,train_model.reshard_after_forward=false")
+    p.add_argument("--overrides", default="", help=argparse.SUPPRESS)  # set by the driver: one variant's overrides
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)  # set by the driver for its torchrun ranks
     return p.parse_args(argv)
 
@@ -63,7 +68,8 @@ def rank_main(args) -> None:
     world = World.from_env()  # on GPUs: LOCAL_RANK's device is the current one, which NCCL sends from
     with initialize_config_dir(str(REPO / "config"), version_base=None):
         cfg = compose("grpo_gsm8k", [f"model.name={args.model_dir}", f"inference_model.max_new_tokens={args.max_new_tokens}",
-                                     f"train.dialog_turns_per_batch={args.replies}", f"env.repeats={args.group}"])
+                                     f"train.dialog_turns_per_batch={args.replies}", f"env.repeats={args.group}",
+                                     *filter(None, args.overrides.split(","))])
     tokenizer = load_tokenizer(args.model_dir)
     policy = load_policy_model(cfg, tokenizer, device)
     batch, prompt_len, reply_len = synthetic_batch(len(tokenizer), args, args.lengths, tokenizer.pad_token_id)
@@ -101,23 +107,40 @@ def main(argv=None) -> None:
         return rank_main(args)
     from bench_vs_trl import build_random_init_model
 
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_init_model(args.shape, str(REPO / args.tokenizer), Path(tmp) / args.shape, args.seed)
-        for ranks in (1, args.ranks):
+
+        def timed(ranks: int, overrides: str) -> dict:
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",
-                   f"--master_port={free_port()}", __file__, *(argv if argv is not None else sys.argv[1:]),
-                   f"--model-dir={model_dir}"]
+                   f"--master_port={free_port()}", __file__, *forwarded(argv), f"--model-dir={model_dir}",
+                   f"--overrides={overrides}"]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode:
-                sys.exit(f"{ranks} rank(s) failed:\n{out.stderr[-3000:]}")
-            results[ranks] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(json.dumps(results[ranks]), flush=True)
-    one, many = results[1], results[args.ranks]
-    print(json.dumps({"shape": args.shape, "replies": args.replies, "lengths": args.lengths,
-                      f"speedup_{args.ranks}_ranks": one["train_s"] / many["train_s"],
-                      "peak_per_rank_vs_one_rank": max(many["peak_gb_per_rank"]) / one["peak_gb_per_rank"][0],
-                      "loss_relative_gap": abs(many["loss"] - one["loss"]) / max(1e-12, abs(one["loss"]))}))
+                sys.exit(f"{ranks} rank(s), overrides {overrides!r} failed:\n{out.stderr[-3000:]}")
+            result = json.loads(out.stdout.strip().splitlines()[-1]) | {"overrides": overrides}
+            print(json.dumps(result), flush=True)
+            return result
+
+        one = timed(1, "")
+        for variant in args.variants:
+            many = timed(args.ranks, variant)
+            print(json.dumps({"shape": args.shape, "replies": args.replies, "lengths": args.lengths,
+                              "overrides": variant, f"speedup_{args.ranks}_ranks": one["train_s"] / many["train_s"],
+                              "peak_per_rank_vs_one_rank": max(many["peak_gb_per_rank"]) / one["peak_gb_per_rank"][0],
+                              "loss_relative_gap": abs(many["loss"] - one["loss"]) / max(1e-12, abs(one["loss"]))}))
+
+
+def forwarded(argv) -> list[str]:
+    """The driver's arguments as its ranks get them: all but the variants, which the driver hands out."""
+    args, skip = [], False
+    for arg in argv if argv is not None else sys.argv[1:]:
+        if arg == "--variants":
+            skip = True
+        elif arg.startswith("--"):
+            skip = False
+        if not skip and not arg.startswith("--variants="):
+            args.append(arg)
+    return args
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
 #             Qwen2.5-0.5B / 1.5B shapes, train GPU 0 / generation GPU 1, one optimiser step a batch,
 #             one-step off-policy (train.buffer_size=0, max_policy_lag 2) (issue 28)
 #   layouts   every two-GPU layout docs/devices.md documents, sync and async, compiled decode step, 0.5B shape
-#             (LAYOUTS picks some of: sync_split async_split sync_colocated sync_train_both sync_all_both)
-#   train_ranks  the train part on 1 and 2 data-parallel ranks (FSDP2), 1.5B shape (issue 30)
+#             (LAYOUTS picks some of: sync_split async_split sync_colocated sync_train_both sync_all_both;
+#             async_ranks, 2 trainer ranks and 2 rollout workers, needs 4 GPUs)
+#   train_ranks  the train part on 1 and 2 data-parallel ranks (FSDP2), 1.5B shape, FSDP2 settings (issue 30)
 #   ranks_15b the default job (grpo_gsm8k, 128 replies x 512 tokens) with both GPUs training and generating:
 #             2 FSDP2 ranks, one engine each, random-init Qwen2.5-1.5B shape (issue 30)
 # Usage: OUT=/some/dir PARTS="trl syncasync" bash benchmarks/gpu_suite.sh
@@ -98,10 +99,14 @@ for part in $PARTS; do
           sync_train_both) layout sync_train_both grpo.py train_model.num_devices=2 inference_model.colocate=true ;;
           sync_all_both) layout sync_all_both grpo.py train_model.num_devices=2 inference_model.num_devices=2 \
                            inference_model.colocate=true ;;
+          async_ranks) layout async_ranks grpo-async.py train_model.num_devices=2 "inference_model.devices=[2,3]" \
+                         train.num_collectors=2 ;;
         esac
       done ;;
     train_ranks)
-      timeout 300 python3 benchmarks/bench_train_ranks.py --ranks 2 --shape qwen2.5-1.5b > "$OUT/train_ranks.log" 2>&1
+      timeout 540 python3 benchmarks/bench_train_ranks.py --ranks 2 --shape qwen2.5-1.5b --variants "" \
+        train_model.reshard_after_forward=false train_model.gather_dtype=bfloat16 \
+        train_model.gather_dtype=bfloat16,train_model.reshard_after_forward=false > "$OUT/train_ranks.log" 2>&1
       echo "== train_ranks rc=$?"; grep "^{" "$OUT/train_ranks.log"; grep -v "^{" "$OUT/train_ranks.log" | tail -5 ;;
     ranks_15b)
       build qwen2.5-1.5b /tmp/q15

@@ -62,6 +62,10 @@ def validate_config(cfg) -> None:
     for key in ("train_model.dtype", "ref_model.dtype", "inference_model.dtype"):
         value = OmegaConf.select(cfg, key)
         need(value in ("float32", "bfloat16", "float16"), f"{key}={value!r}; use float32, bfloat16 or float16.")
+    need(cfg.train_model.gather_dtype in (None, "float32", "bfloat16"), f"train_model.gather_dtype="
+         f"{cfg.train_model.gather_dtype!r}; use null, float32 or bfloat16.")
+    need(isinstance(cfg.train_model.reshard_after_forward, bool), "train_model.reshard_after_forward="
+         f"{cfg.train_model.reshard_after_forward!r} must be true or false.")
     need(cfg.env.repeats >= 2, f"env.repeats={cfg.env.repeats}: GRPO compares replies within a group, so it needs "
          "at least 2 replies per prompt; set env.repeats=4 (or more).")
     need(cfg.env.num_envs % cfg.env.repeats == 0, f"env.num_envs={cfg.env.num_envs} must be a multiple of "

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 
@@ -121,16 +121,21 @@ class World:
         dist.broadcast_object_list(message, src=0)
         return message[0]
 
-    def shard(self, scorer: torch.nn.Module) -> torch.nn.Module:
+    def shard(self, scorer: torch.nn.Module, *, reshard_after_forward: bool = True,
+              gather_dtype: torch.dtype | None = None) -> torch.nn.Module:
         """FSDP2 over the ranks: each decoder layer of ``scorer.model`` one unit, ``scorer`` (a
         ``ReplyLogProbs``) the root, holding the embeddings, final norm and LM head, tied or not.
         Gradients are summed, not averaged: each rank's loss is already its share of the global
-        minibatch's sum. A world of one: unchanged. The optimiser must be built after this."""
+        minibatch's sum. ``gather_dtype``: weights gathered and computed in it, gradients reduced in
+        float32. A world of one: unchanged. The optimiser must be built after this."""
         if self.size == 1:
             return scorer
+        options = {"reshard_after_forward": reshard_after_forward}
+        if gather_dtype is not None:
+            options["mp_policy"] = MixedPrecisionPolicy(param_dtype=gather_dtype, reduce_dtype=torch.float32)
         for layer in scorer.model.get_decoder().layers:
-            fully_shard(layer)
-        fully_shard(scorer)
+            fully_shard(layer, **options)
+        fully_shard(scorer, **options)
         for unit in scorer.modules():
             if isinstance(unit, FSDPModule):
                 unit.set_gradient_divide_factor(1.0)

@@ -32,7 +32,10 @@ class Trainer:
                  world: World = World()):
         self.policy_model, self.world = policy_model, world
         settings = GRPOSettings.from_config(cfg)
-        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature))  # before the optimiser: it holds the shards
+        gather_dtype = cfg.train_model.gather_dtype if torch.cuda.is_available() else None  # CPU: always float32
+        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature),  # before the optimiser: it holds the shards
+                             reshard_after_forward=cfg.train_model.reshard_after_forward,
+                             gather_dtype=getattr(torch, gather_dtype) if gather_dtype else None)
         self.optimizer = make_optimizer(cfg, policy_model)
         self.scheduler = make_scheduler(cfg, self.optimizer, cfg.train.total_steps * cfg.train.epochs
                                         * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size)
