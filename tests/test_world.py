@@ -28,13 +28,15 @@ OVERRIDES = ["env.repeats=4", "env.num_envs=8", "train.dialog_turns_per_batch=8"
              "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "train.micro_batch_tokens=null"]
 
 
-def rank_trainer(rank: int, size: int, port: int, model_dir: str, data_dir: str) -> tuple[World, Trainer]:
-    """This rank's world and the trainer as the run builds it (policy sharded over the world, reference whole)."""
+def rank_trainer(rank: int, size: int, port: int, model_dir: str, data_dir: str,
+                 extra: tuple[str, ...] = ()) -> tuple[World, Trainer]:
+    """This rank's world and the trainer as the run builds it (policy sharded over the world, reference whole);
+    ``extra``: more config overrides."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.manual_seed(0)
     world = World.from_env()
-    cfg = compose("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={data_dir}", *OVERRIDES])
+    cfg = compose("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={data_dir}", *OVERRIDES, *extra])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     cpu = torch.device("cpu")
@@ -59,9 +61,10 @@ def lead_or_follow(world: World, trainer: Trainer, lead) -> None:
         dist.destroy_process_group()
 
 
-def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str):
+def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str,
+                      extra: tuple[str, ...]):
     """Three GRPO steps on the same rollouts; rank 0 writes each step's metrics and the whole weights after the last."""
-    world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
+    world, trainer = rank_trainer(rank, size, port, model_dir, data_dir, extra)
     rollouts = torch.load(rollouts_file, weights_only=False)
 
     def lead():
@@ -140,21 +143,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(size: int, tmp_path, rollouts_file, cfg) -> dict:
+def run_ranks(size: int, tmp_path, rollouts_file, cfg, extra: tuple[str, ...] = ()) -> dict:
     out = str(tmp_path / f"ranks{size}.pt")
     mp.spawn(train_three_steps, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
-                                                   str(rollouts_file), out))
+                                                   str(rollouts_file), out, extra))
     return torch.load(out, weights_only=False)
 
 
-def test_two_ranks_train_as_one(setup, tmp_path):  # noqa: F811 - the imported fixture
+@pytest.mark.parametrize("two_ranks_with", [(), ("train_model.reshard_after_forward=false",)])
+def test_two_ranks_train_as_one(setup, tmp_path, two_ranks_with):  # noqa: F811 - the imported fixture
     """Same seed, same rollouts: two ranks (each half of every micro-batch, the policy sharded, the
     reference scoring half the rows) give the step-1 loss and gradient norm of one rank to 1e-5, the
-    same metrics, and the same weights after 3 steps (6 optimiser steps) to 1e-5."""
+    same metrics, and the same weights after 3 steps (6 optimiser steps) to 1e-5; also with the gathered
+    weights kept from forward to backward (FSDP2 reshard_after_forward=False)."""
     cfg, _, _, rollouts, _ = setup
     rollouts_file = tmp_path / "rollouts.pt"
     torch.save(Replies.from_collector(rollouts), rollouts_file)
-    one, two = run_ranks(1, tmp_path, rollouts_file, cfg), run_ranks(2, tmp_path, rollouts_file, cfg)
+    one, two = run_ranks(1, tmp_path, rollouts_file, cfg), run_ranks(2, tmp_path, rollouts_file, cfg, two_ranks_with)
     first_one, first_two = one["metrics"][0], two["metrics"][0]
     assert first_one["optim_steps"] == 2 * cfg.train.epochs
     assert first_one["micro_batches"] == 2 and first_two["micro_batches"] == 1

@@ -32,7 +32,8 @@ class Trainer:
                  world: World = World()):
         self.policy_model, self.world = policy_model, world
         settings = GRPOSettings.from_config(cfg)
-        gather_dtype = cfg.train_model.gather_dtype if torch.cuda.is_available() else None  # CPU: always float32
+        # CPU: always float32; mixed_precision=false: float32 compute asked for
+        gather_dtype = cfg.train_model.gather_dtype if torch.cuda.is_available() and settings.mixed_precision else None
         scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature),  # before the optimiser: it holds the shards
                              reshard_after_forward=cfg.train_model.reshard_after_forward,
                              gather_dtype=getattr(torch, gather_dtype) if gather_dtype else None)
