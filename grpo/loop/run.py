@@ -1,7 +1,8 @@
 """The run both scripts share: ``start_run`` builds its parts, ``train_loop`` drives them over a rollout
 source (``grpo.rollout.local_rollouts`` says what one does), and ``guard`` is the crash policy.
 
-    start_run:  config and device checks (``check_start``), data checks, seeds, run dir and resume, models, engine, eval, logger
+    start_run:  config and device checks (``check_start``), data checks, seeds, run dir and resume, models,
+                engine, eval, logger
     train_loop: eval; for each step: rollouts -> update -> commit -> weights to the engines -> log,
                 eval and checkpoint when due; at the end eval, checkpoint and export
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
@@ -202,6 +204,9 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
     the other ranks build the same (``follow_run``)."""
     configure_attention_kernels(cfg)
     own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
+    gpu = devices.current_gpu(world.rank, world.size)
+    if gpu is not None:  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator is made there
+        torch.cuda.set_device(gpu)
     policy_model = load_policy_model(cfg, tokenizer, own.torch_device("train"))
     ref_model = load_reference_model(cfg, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
     trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id,

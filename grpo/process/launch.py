@@ -98,7 +98,7 @@ def _followers(script: str, size: int):
     try:
         # the followers join through torchrun's env:// rendezvous; tcp:// is the same store at that port
         with _ended_if_one_dies_first(followers):
-            join_group(0, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size)
+            join_group(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size)
         joined = True
         yield World.from_env()
     finally:
