@@ -65,7 +65,9 @@ def rank_main(args) -> None:
     if args.device == "cpu":
         torch.set_num_threads(1)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if args.device == "cuda" else torch.device("cpu")
-    world = World.from_env()  # on GPUs: LOCAL_RANK's device is the current one, which NCCL sends from
+    if device.type == "cuda":  # torchrun's convention, GPU LOCAL_RANK: FSDP2 shards onto the current GPU
+        torch.cuda.set_device(device)
+    world = World.from_env()
     with initialize_config_dir(str(REPO / "config"), version_base=None):
         cfg = compose("grpo_gsm8k", [f"model.name={args.model_dir}", f"inference_model.max_new_tokens={args.max_new_tokens}",
                                      f"train.dialog_turns_per_batch={args.replies}", f"env.repeats={args.group}",

@@ -21,15 +21,21 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import ray  # noqa: E402
 
-from grpo.loop.run import Run, follow_run, start_run, train_loop  # noqa: E402
+from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
 from grpo.process.setup import hydra_main, ray_pythonpath  # noqa: E402
 from grpo.process.world import World  # noqa: E402
 from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
 from grpo.tasks.data import PromptLedger  # noqa: E402
 
 
+def generation(cfg) -> dict:
+    """Where the rollouts are generated, as ``check_start`` and ``start_run`` take it: by the Ray rollout workers,
+    one engine each, on GPUs of their own."""
+    return {"inference_engines": cfg.train.num_collectors, "dedicated_inference": True}
+
+
 def train(cfg) -> Run:
-    run = start_run(cfg, inference_engines=cfg.train.num_collectors, dedicated_inference=True)
+    run = start_run(cfg, **generation(cfg))
     ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, ignore_reinit_error=True)
@@ -44,6 +50,6 @@ def train(cfg) -> Run:
 
 if __name__ == "__main__":
     if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes
-        hydra_main(train, __file__)
+        hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)))
     else:  # the other ranks (rank 0's or torchrun's) train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

@@ -16,7 +16,7 @@ from pathlib import Path
 # `python grpo/grpo.py` puts grpo/ first on sys.path, where this file would shadow the grpo package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from grpo.loop.run import Run, follow_run, start_run, train_loop  # noqa: E402
+from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
 from grpo.process.devices import trainer_ranks  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402
 from grpo.process.world import World  # noqa: E402
@@ -24,9 +24,14 @@ from grpo.rollout.local_rollouts import rank_rollouts  # noqa: E402
 from grpo.tasks.data import PromptLedger  # noqa: E402
 
 
+def generation(cfg) -> dict:
+    """Where the rollouts are generated, as ``check_start`` and ``start_run`` take it: on the trainer ranks' own
+    engines, one on each at most (one per inference GPU)."""
+    return {"inference_engines": trainer_ranks(cfg) or 1, "dedicated_inference": False}
+
+
 def train(cfg) -> Run:
-    # checks, devices, models, GRPO step, logger; an engine on every trainer rank at most (one per inference GPU)
-    run = start_run(cfg, inference_engines=trainer_ranks(cfg) or 1, dedicated_inference=False)
+    run = start_run(cfg, **generation(cfg))  # checks, devices, models, GRPO step, logger
     ledger = PromptLedger.from_checkpoint(run.resume_payload)  # the prompt batches trained before a resume
     # rank 0 generates alone, or every rank its share of each prompt batch on its own engine
     world = run.trainer.world if run.devices.generating_ranks > 1 else World()
@@ -35,7 +40,7 @@ def train(cfg) -> Run:
 
 if __name__ == "__main__":
     if World.launched_main():  # alone, or rank 0: it generates, evaluates and writes the run
-        hydra_main(train, __file__)
+        hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)))
     else:  # the other ranks (rank 0's or torchrun's) train on the rollouts rank 0 sends, generating their share of
         # them where each has an engine (grpo/process/world.py)
         sys.exit(follow_run())

@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 from grpo.process import errors
 from grpo.process.devices import DeviceAllocation, allocate_devices, trainer_ranks
 from grpo.process.errors import DeviceAllocationError
+from grpo.process.launch import agree_with_launcher
+from grpo.process.world import World
 
 BASE = {
     "allow_cpu": False,
@@ -404,6 +406,33 @@ def test_a_rank_with_a_reference_of_its_own_gpus_takes_one_of_them():
 def test_the_cpu_keeps_the_allocation_on_every_rank():
     cpu = allocate(make_cfg("allow_cpu=true", "train_model.num_devices=2"), 0, SYNC)
     assert cpu.for_rank(1, 2) is cpu
+
+
+@pytest.mark.parametrize("overrides,visible,current", [
+    ([], 1, [0]),                                                              # one rank
+    (["train_model.num_devices=2", "inference_model.colocate=true"], 2, [0, 1]),
+    (["train_model.devices=[2,3]", "inference_model.devices=[0]"], 4, [2, 3]),  # not GPUs 0 and 1: rank r's own
+    (["train_model.devices=[3,1]", "inference_model.devices=[0]"], 4, [3, 1]),
+    (["allow_cpu=true", "train_model.num_devices=2"], 0, [None, None]),         # gloo ranks: no GPU to select
+])
+def test_each_rank_makes_its_own_train_gpu_current(overrides, visible, current):
+    """The GPU each rank the script starts makes current (``make_trainer`` selects it before any GPU work)."""
+    alloc = allocate(make_cfg(*overrides), visible, SYNC)
+    assert [alloc.current_gpu(rank, len(current)) for rank in range(len(current))] == current
+
+
+@pytest.mark.parametrize("overrides,current", [
+    ([], [0, 1]),                                  # torchrun's convention: rank LOCAL_RANK on GPU LOCAL_RANK
+    (["train_model.devices=[2,3]"], [2, 3]),       # LOCAL_RANK 0 and 1 on the GPUs the config names
+    (["train_model.num_devices=2", "inference_model.devices=[0]"], [1, 2]),  # GPU 0 claimed first: 1 and 2
+])
+def test_under_torchrun_each_rank_makes_its_train_gpu_current_whatever_its_local_rank(overrides, current):
+    """torchrun's 2 ranks on one node (LOCAL_RANK = RANK = 0, 1): rank 0 makes ``train_model.num_devices=null``
+    torchrun's count and allocates, every rank selects the train GPU of its rank in what rank 0 sent."""
+    cfg = OmegaConf.create(make_cfg("inference_model.colocate=true", *overrides))
+    agree_with_launcher(cfg, World(rank=0, size=2))
+    alloc = allocate_devices(cfg, inference_engines=2, dedicated_inference=SYNC, visible_gpus=4)
+    assert [alloc.current_gpu(local_rank, 2) for local_rank in (0, 1)] == current
 
 
 def test_ranks_and_train_gpus_must_match():

@@ -154,7 +154,7 @@ def test_more_ranks_than_gpus_is_an_error_before_any_starts(monkeypatch):
     cfg = OmegaConf.create({"train_model": {"num_devices": 3, "devices": None}})
     with pytest.raises(DeviceAllocationError, match=r"train_model.num_devices=3 asks for 3 trainer ranks, one GPU each, "
                                                     r"but 2 GPU\(s\) visible. Fix: train_model.num_devices=2"):
-        with trainer_world(cfg, script="never started"):
+        with trainer_world(cfg, script="never started", check=lambda cfg: None):
             pass
 
 
@@ -186,14 +186,42 @@ def nan_late(reply: str) -> float:
 """
 
 
+@pytest.fixture
+def followers_started(tmp_path, monkeypatch) -> Path:
+    """A file each follower rank the runs of this test start (a Python process with RANK other than 0, or one that
+    process starts) appends its rank to, as it starts: a ``sitecustomize`` first on the PYTHONPATH the runs inherit."""
+    site, started = tmp_path / "site", tmp_path / "followers_started"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import os\nif os.environ.get('RANK', '0') != '0':\n"
+                                           f"    with open({str(started)!r}, 'a') as f:\n"
+                                           f"        f.write(os.environ['RANK'] + '\\n')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    return started
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "grpo-async.py"])
+def test_a_bad_config_value_on_two_ranks_fails_before_any_follower_starts(script, tmp_path, followers_started):
+    """``train_model.num_devices=2`` with a bad value: rank 0 checks the config and devices before it starts rank 1,
+    so it fails as one rank does, with the one line and status 2, and no follower ever started (none ran Python)."""
+    cmd = command(tmp_path / "run", ["train.epochs=0"], ranks=2, script=script, torchrun=False)
+    with subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 2 and all_gone(proc.pid)
+    assert [line for line in stderr.splitlines() if line.startswith("error:")] == \
+        ["error: train.epochs=0 must be >= 1."], stderr[-4000:]
+    assert not followers_started.exists(), followers_started.read_text()
+
+
 @pytest.mark.parametrize("when", ["start", "start_num_devices", "step_3"])
-def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path):
-    """A bad config at start (under torchrun, or with the ranks rank 0 started), or a reward function that returns
-    NaN at step 3 (its 51st call: 5 eval replies, then 20 a step): rank 0 prints the one line, and every rank exits,
-    non-zero, within the timeout."""
+def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path, followers_started):
+    """A user error once the ranks run: a bad config at start under torchrun, a missing data set (read after rank 0
+    started its followers), or a reward function that returns NaN at step 3 (its 51st call: 5 eval replies, then
+    20 a step): rank 0 prints the one line, and every rank exits, non-zero, within the timeout."""
     torchrun = when != "start_num_devices"
-    if when.startswith("start"):
+    if when == "start":
         overrides, line = ["train.epochs=0"], "error: train.epochs=0 must be >= 1."
+    elif when == "start_num_devices":
+        overrides, line = [f"env.dataset={tmp_path}/missing"], f"error: env.dataset='{tmp_path}/missing': no such file"
     else:
         (tmp_path / "rewards.py").write_text(NAN_LATE)
         overrides = [*SHORT_RUN, "train.total_steps=5", "env.task=generic", "env.dataset=examples/my_task",
@@ -205,6 +233,7 @@ def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path):
     assert proc.returncode != 0 and session_processes(proc.session) == []
     said = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
     assert len(said) == 1 and said[0].startswith(line), proc.stderr[-4000:]
+    assert "1" in followers_started.read_text().split()  # the error reached a rank that ran
     if when == "step_3":  # the emergency checkpoint of step 2 gathered the weights over both ranks
         assert (tmp_path / "run" / "checkpoints" / "step_00000002.json").exists()
 

@@ -1,7 +1,8 @@
 """The run both scripts share: ``start_run`` builds its parts, ``train_loop`` drives them over a rollout
 source (``grpo.rollout.local_rollouts`` says what one does), and ``guard`` is the crash policy.
 
-    start_run:  config and data checks, devices, seeds, run dir and resume, models, engine, eval, logger
+    start_run:  config and device checks (``check_start``), data checks, seeds, run dir and resume, models,
+                engine, eval, logger
     train_loop: eval; for each step: rollouts -> update -> commit -> weights to the engines -> log,
                 eval and checkpoint when due; at the end eval, checkpoint and export
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
@@ -90,15 +92,23 @@ class Run:
             self.records.save_checkpoint(self.step, self.trainer, counters, extras(), rng=rng)
 
 
+def check_start(cfg, *, inference_engines: int, dedicated_inference: bool) -> DeviceAllocation:
+    """The config and device checks, which read no data, load no model and need no other rank: rank 0 runs them
+    before it starts any (``trainer_world``), so a bad value fails as fast on N ranks as on one (grpo_tiny on CPU, 2
+    ranks: 21 s while the followers started and joined first, 9 s now, as one rank's 10 s); ``start_run`` runs them
+    again for its devices (under torchrun, with ``train_model.num_devices`` torchrun's count by then)."""
+    resolve_local_paths(cfg)
+    validate_config(cfg)
+    return allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)
+
+
 def start_run(cfg, *, inference_engines: int, dedicated_inference: bool) -> Run:
     """``dedicated_inference``: generation GPUs belong to rollout workers elsewhere, so this process's
     own engine (used for eval only) sits on the training GPU; otherwise it generates the rollouts."""
     task_config = OmegaConf.to_yaml(cfg)  # as Hydra composed it: the run dir's .hydra/config.yaml
-    resolve_local_paths(cfg)
-    validate_config(cfg)
+    devices = check_start(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)
     splits = load_splits(cfg)  # bad data, and reward functions that cannot take its rows, stop here
     warn_if_too_few_rows(cfg, len(splits[cfg.env.train_split]))
-    devices = allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)
     print(devices.describe(), flush=True)
     seed_everything(cfg.seed)
     run_dir, payload, last_checkpoint = Path(HydraConfig.get().runtime.output_dir), None, None
@@ -194,6 +204,9 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
     the other ranks build the same (``follow_run``)."""
     configure_attention_kernels(cfg)
     own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
+    gpu = devices.current_gpu(world.rank, world.size)
+    if gpu is not None:  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator is made there
+        torch.cuda.set_device(gpu)
     policy_model = load_policy_model(cfg, tokenizer, own.torch_device("train"))
     ref_model = load_reference_model(cfg, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
     trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id,

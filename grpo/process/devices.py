@@ -73,6 +73,11 @@ class DeviceAllocation:
         inference = self.inference[rank:][:1] if self.generating_ranks > 1 else self.inference
         return replace(self, train=own, ref=ref, inference=inference)
 
+    def current_gpu(self, rank: int, size: int) -> int | None:
+        """The GPU rank ``rank`` of ``size`` makes its current device, however it was launched (``LOCAL_RANK`` has
+        no say): its own train GPU (``for_rank``), where FSDP2 puts its shards and NCCL sends from; None on the CPU."""
+        return None if self.cpu else self.for_rank(rank, size).train[0]
+
     def torch_devices(self, role: str) -> list[torch.device]:
         """Every GPU of ``role``, or ``[cpu]`` when it has none."""
         return [torch.device("cuda", i) for i in getattr(self, role)] or [self.torch_device(role)]

@@ -36,9 +36,11 @@ REAP_GRACE_S = 30  # what a follower has to exit once rank 0 led the stop; it ta
 
 
 @contextlib.contextmanager
-def trainer_world(cfg, script: str):
+def trainer_world(cfg, script: str, check):
     """Rank 0's world for its whole run: the other ranks started (``script`` run as each) or, under torchrun,
-    joined; however the run ends, they are told to stop with its exit status (``World.leading``)."""
+    joined; however the run ends, they are told to stop with its exit status (``World.leading``). ``check(cfg)``:
+    the checks that need no other rank, run before any is started; under torchrun, whose ranks run already, the
+    run makes them inside the world, which tells those ranks to stop."""
     if "WORLD_SIZE" in os.environ:  # torchrun's ranks
         world = World.from_env()
         with world.leading():
@@ -53,6 +55,7 @@ def trainer_world(cfg, script: str):
             (f"train_model.num_devices={ranks}", f"train_model.num_devices={visible}")
         raise DeviceAllocationError(f"{setting} asks for {ranks} trainer ranks, one GPU each, but {visible} GPU(s) "
                                     f"visible. Fix: {fix}")
+    check(cfg)
     with (_followers(script, ranks) if ranks > 1 else contextlib.nullcontext(World())) as world, world.leading():
         yield world
 
@@ -95,7 +98,7 @@ def _followers(script: str, size: int):
     try:
         # the followers join through torchrun's env:// rendezvous; tcp:// is the same store at that port
         with _ended_if_one_dies_first(followers):
-            join_group(0, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size)
+            join_group(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size)
         joined = True
         yield World.from_env()
     finally:

@@ -35,11 +35,11 @@ class World:
     def from_env(cls) -> World:
         """The world this process trains in: the process group it joined already (rank 0 of the ranks
         ``grpo.process.launch`` starts), else the one ``torchrun``'s variables (RANK, WORLD_SIZE, MASTER_ADDR)
-        name, joined here (NCCL on GPUs, gloo on CPU). Neither: a world of one."""
+        name, joined here (``join_group``). Neither: a world of one."""
         if not dist.is_initialized():
             if int(os.environ.get("WORLD_SIZE", "1")) == 1:
                 return cls()
-            join_group(int(os.environ.get("LOCAL_RANK", "0")))
+            join_group()
         return cls(rank=dist.get_rank(), size=dist.get_world_size())
 
     @staticmethod
@@ -61,24 +61,24 @@ class World:
         """The sum over ranks (a new tensor)."""
         if self.size == 1:
             return tensor
-        out = _for_comms(tensor).clone()
+        out = tensor.clone()
         dist.all_reduce(out)
-        return out.to(tensor.device)
+        return out
 
     def from_main(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0's tensor on every rank (a random draw made once, e.g. the minibatch order)."""
         if self.size == 1:
             return tensor
-        out = _for_comms(tensor).clone()
+        out = tensor.clone()
         dist.broadcast(out, src=0)
-        return out.to(tensor.device)
+        return out
 
     def gather_shares(self, local: torch.Tensor, n_rows: int) -> torch.Tensor:
         """The ``[n_rows, ...]`` tensor whose rows ``r::size`` rank ``r`` computed as ``local``."""
         if self.size == 1:
             return local
         width = -(-n_rows // self.size)  # ranks may hold one row fewer: pad to gather equal shapes
-        padded = _for_comms(torch.zeros((width, *local.shape[1:]), dtype=local.dtype))
+        padded = torch.zeros((width, *local.shape[1:]), dtype=local.dtype, device=local.device)
         padded[:len(local)] = local
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded)
@@ -143,20 +143,12 @@ class World:
         return scorer
 
 
-def join_group(local_rank: int, **init) -> None:
-    """Join the process group ``init`` (or the environment) describes: NCCL on GPUs, through GPU ``local_rank``,
-    which NCCL's objects travel via; gloo on CPU."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", **init)
-
-
-def _for_comms(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor where the process group's backend can send it: NCCL only moves GPU tensors, and the
-    step's minibatch order and reference log-probs live on the CPU."""
-    if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
-        return tensor.to(torch.device("cuda", torch.cuda.current_device()))
-    return tensor
+def join_group(**init) -> None:
+    """Join the process group ``init`` (or the environment) describes: on GPUs, NCCL for GPU tensors and gloo for the
+    rest (rank 0's pickled commands, the minibatch order, the reference log-probs), so a rank needs no GPU until the
+    allocation rank 0 sends names its own (``DeviceAllocation.current_gpu``; GPU ``LOCAL_RANK`` would be the wrong one
+    where ``train_model.devices`` names others); on CPU, gloo alone."""
+    dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo", **init)
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
