@@ -306,6 +306,10 @@ def test_resume_that_changes_the_runs_meaning_is_refused_unless_allowed(script, 
     with pytest.raises(ResumeError, match=r"optimizer.lr=.*-> 0.5"):
         train(script, tmp_path / "again", "train.total_steps=2", "optimizer.schedule=cosine", "optimizer.lr=0.5",
               f"resume={tmp_path}")
+    # the cosine schedule counts optimiser steps: a larger optimiser batch makes fewer of them, and a shorter schedule
+    with pytest.raises(ResumeError, match=r"train.optim_batch_size=\d+ -> 16"):
+        train(script, tmp_path / "again", "train.total_steps=2", "optimizer.schedule=cosine",
+              "train.optim_batch_size=16", f"resume={tmp_path}")
     with pytest.warns(UserWarning, match="continues with a changed meaning.*train.total_steps=2 -> 3"):
         train(script, tmp_path / "again", "train.total_steps=3", "optimizer.schedule=cosine",
               "resume_allow_changes=true", f"resume={tmp_path}")

@@ -49,11 +49,12 @@ def check_resumable(path: Path, payload, cfg) -> None:
 
 def meaning_keys(cfg) -> list[str]:
     """What a resumed run may not change unasked: the data and its order, the batch the prompt stream counts
-    in, the learning-rate schedule (with a cosine schedule, its length: train.total_steps)."""
+    in, the learning-rate schedule (with a cosine schedule, its length: train.total_steps, in optimiser steps
+    of train.optim_batch_size replies)."""
     keys = ["env.task", "env.dataset", "env.train_split", "env.repeats", "env.system_prompt",
             "train.dialog_turns_per_batch", "train.epochs", "optimizer.lr", "optimizer.schedule",
             "optimizer.warmup_steps", "optimizer.min_lr_ratio"]
-    return keys + (["train.total_steps"] if cfg.optimizer.schedule == "cosine" else [])
+    return keys + (["train.total_steps", "train.optim_batch_size"] if cfg.optimizer.schedule == "cosine" else [])
 
 
 def _select(config: dict, dotted: str):
