@@ -36,9 +36,11 @@ REAP_GRACE_S = 30  # what a follower has to exit once rank 0 led the stop; it ta
 
 
 @contextlib.contextmanager
-def trainer_world(cfg, script: str):
-    """Rank 0's world for its whole run: the other ranks started (``script`` run as each) or, under torchrun,
-    joined; however the run ends, they are told to stop with its exit status (``World.leading``)."""
+def trainer_world(cfg, script: str, followers=None):
+    """Rank 0's world for its whole run: the other ranks started by ``followers(cfg, script, size)`` (a context
+    that yields the joined world: ``process_followers``, the default, runs ``script`` as each; the async script's
+    are Ray actors, ``grpo.process.ray_placement``) or, under torchrun, joined; however the run ends, they are told
+    to stop with its exit status (``World.leading``)."""
     if "WORLD_SIZE" in os.environ:  # torchrun's ranks
         world = World.from_env()
         with world.leading():
@@ -53,7 +55,8 @@ def trainer_world(cfg, script: str):
             (f"train_model.num_devices={ranks}", f"train_model.num_devices={visible}")
         raise DeviceAllocationError(f"{setting} asks for {ranks} trainer ranks, one GPU each, but {visible} GPU(s) "
                                     f"visible. Fix: {fix}")
-    with (_followers(script, ranks) if ranks > 1 else contextlib.nullcontext(World())) as world, world.leading():
+    followers = followers or process_followers
+    with (followers(cfg, script, ranks) if ranks > 1 else contextlib.nullcontext(World())) as world, world.leading():
         yield world
 
 
@@ -76,6 +79,11 @@ def agree_with_launcher(cfg, world: World) -> None:
             f"torchrun started {world.size} trainer rank(s) (WORLD_SIZE={world.size}) but {setting} asks for {asked}: "
             f"each rank trains on one of them. Fix: {fix} or --nproc_per_node={asked}, "
             f"or leave out torchrun: on one node {setting} starts its ranks itself")
+
+
+def process_followers(cfg, script: str, size: int):
+    """Ranks 1..size-1 as processes of this node: ``script`` run with torchrun's variables (``_followers``)."""
+    return _followers(script, size)
 
 
 @contextlib.contextmanager
