@@ -8,7 +8,7 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
     python grpo/grpo-async.py --config-name grpo_tiny     # CPU, local Ray
     python grpo/grpo-async.py ray.address=auto            # join a running cluster
-    python grpo/grpo-async.py --config-name grpo_tiny train_model.num_devices=2  # 2 data-parallel trainer ranks (rank 1 a Ray actor)
+    python grpo/grpo-async.py --config-name grpo_tiny train_model.num_devices=2  # 2 trainer ranks, rank 1 a Ray actor
 """
 
 from __future__ import annotations

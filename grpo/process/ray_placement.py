@@ -147,7 +147,8 @@ def ray_followers(cfg, script: str, size: int):
             port = probe.getsockname()[1]
         env = {"WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": address, "MASTER_PORT": str(port)}
         options = {"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
-        ranks = [TrainerRank.options(**trainer_rank_resources(cfg), runtime_env=options).remote() for _ in range(1, size)]
+        resources = trainer_rank_resources(cfg)
+        ranks = [TrainerRank.options(**resources, runtime_env=options).remote() for _ in range(1, size)]
         loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r, rank in enumerate(ranks, 1)]
         joined = False
         try:

@@ -127,7 +127,7 @@ class RolloutPool:
         self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         on_gpus = devices[0].type == "cuda"
-        # a local Ray's GPUs are the inference GPUs, in order (ray_placement.local_ray_resources); a cluster's, its nodes'
+        # a local Ray's GPUs are the inference GPUs in order (ray_placement.local_ray_resources); a cluster's its nodes'
         gpu_pool = [d.index for d in devices] if on_gpus and cfg.ray.address is None else None
         self._worker_args = (OmegaConf.to_container(cfg, resolve=True), devices[0].type, gpu_pool, stop_ids)
         # one GPU each, which Ray assigns; workers that outnumber the GPUs share them, as evenly as whole workers go
