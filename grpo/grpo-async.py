@@ -8,7 +8,7 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
     python grpo/grpo-async.py --config-name grpo_tiny     # CPU, local Ray
     python grpo/grpo-async.py ray.address=auto            # join a running cluster
-    python grpo/grpo-async.py --config-name grpo_tiny train_model.num_devices=2  # 2 data-parallel trainer ranks
+    python grpo/grpo-async.py --config-name grpo_tiny train_model.num_devices=2  # 2 trainer ranks, rank 1 a Ray actor
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from pathlib import Path
 # `python grpo/grpo-async.py` puts grpo/ first on sys.path, where grpo.py would shadow the grpo package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import ray  # noqa: E402
-
 from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
-from grpo.process.setup import hydra_main, ray_pythonpath  # noqa: E402
+from grpo.process.ray_placement import ray_followers, ray_session  # noqa: E402
+from grpo.process.setup import hydra_main  # noqa: E402
 from grpo.process.world import World  # noqa: E402
 from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
 from grpo.tasks.data import PromptLedger  # noqa: E402
@@ -37,19 +36,16 @@ def generation(cfg) -> dict:
 def train(cfg) -> Run:
     run = start_run(cfg, **generation(cfg))
     ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, ignore_reinit_error=True)
-    run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
-    try:
+    with ray_session(cfg):  # started here, or by the trainer ranks' launcher (ray_followers), whose actors it holds
+        run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
         pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,  # on resume: its weights
                            run.trainer.engine_weights(), run.trainer.policy_version)
         return train_loop(run, pool)
-    finally:
-        ray.shutdown()
 
 
 if __name__ == "__main__":
-    if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes
-        hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)))
-    else:  # the other ranks (rank 0's or torchrun's) train on the rollouts rank 0 sends (grpo/process/world.py)
+    if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes; its other
+        # trainer ranks are Ray actors, which Ray places on any node of its cluster, beside the rollout workers
+        hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)), followers=ray_followers)
+    else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

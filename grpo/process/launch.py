@@ -36,11 +36,13 @@ REAP_GRACE_S = 30  # what a follower has to exit once rank 0 led the stop; it ta
 
 
 @contextlib.contextmanager
-def trainer_world(cfg, script: str, check):
-    """Rank 0's world for its whole run: the other ranks started (``script`` run as each) or, under torchrun,
-    joined; however the run ends, they are told to stop with its exit status (``World.leading``). ``check(cfg)``:
-    the checks that need no other rank, run before any is started; under torchrun, whose ranks run already, the
-    run makes them inside the world, which tells those ranks to stop."""
+def trainer_world(cfg, script: str, check, followers=None):
+    """Rank 0's world for its whole run: the other ranks started by ``followers(cfg, script, size)`` (a context
+    that yields the joined world: ``process_followers``, the default, runs ``script`` as each; the async script's
+    are Ray actors, ``grpo.process.ray_placement``) or, under torchrun, joined; however the run ends, they are told
+    to stop with its exit status (``World.leading``). ``check(cfg)``: the checks that need no other rank, run before
+    any is started; under torchrun, whose ranks run already, the run makes them inside the world, which tells those
+    ranks to stop."""
     if "WORLD_SIZE" in os.environ:  # torchrun's ranks
         world = World.from_env()
         with world.leading():
@@ -56,7 +58,8 @@ def trainer_world(cfg, script: str, check):
         raise DeviceAllocationError(f"{setting} asks for {ranks} trainer ranks, one GPU each, but {visible} GPU(s) "
                                     f"visible. Fix: {fix}")
     check(cfg)
-    with (_followers(script, ranks) if ranks > 1 else contextlib.nullcontext(World())) as world, world.leading():
+    followers = followers or process_followers
+    with (followers(cfg, script, ranks) if ranks > 1 else contextlib.nullcontext(World())) as world, world.leading():
         yield world
 
 
@@ -79,6 +82,11 @@ def agree_with_launcher(cfg, world: World) -> None:
             f"torchrun started {world.size} trainer rank(s) (WORLD_SIZE={world.size}) but {setting} asks for {asked}: "
             f"each rank trains on one of them. Fix: {fix} or --nproc_per_node={asked}, "
             f"or leave out torchrun: on one node {setting} starts its ranks itself")
+
+
+def process_followers(cfg, script: str, size: int):
+    """Ranks 1..size-1 as processes of this node: ``script`` run with torchrun's variables (``_followers``)."""
+    return _followers(script, size)
 
 
 @contextlib.contextmanager

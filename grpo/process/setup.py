@@ -25,15 +25,16 @@ from grpo.process.launch import trainer_world
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def hydra_main(train, script: str, check: Callable) -> None:
+def hydra_main(train, script: str, check: Callable, followers=None) -> None:
     """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default) as
-    rank 0 of the trainer's ranks: ``train_model.num_devices=N`` starts ``script`` as the other N-1 once
-    ``check(cfg)`` passed, torchrun's are joined (``grpo.process.launch``), and they stop with it however it ends."""
+    rank 0 of the trainer's ranks: ``train_model.num_devices=N`` starts the other N-1 (``followers``: by default
+    ``script`` run as each) once ``check(cfg)`` passed, torchrun's are joined (``grpo.process.launch``), and they
+    stop with it however it ends."""
 
     @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "config"), config_name="grpo_gsm8k")
     def main(cfg) -> None:
         set_list_to_stack(True).set()
-        with clear_errors(), trainer_world(cfg, script, check):
+        with clear_errors(), trainer_world(cfg, script, check, followers):
             try:
                 train(cfg)
             except Exception:

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 from grpo.inference.generation import EngineSettings, as_state_dict, tensor_place
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.errors import UserError
+from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share
 from grpo.process.setup import raise_if_stop_signalled, ray_pythonpath
 from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, serve_from
@@ -40,8 +41,10 @@ GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s")
 
 @ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
 class RolloutWorker:
-    def __init__(self, cfg_dict: dict, worker_id: int, device: str, stop_ids: list[int], weights, version: int,
-                 checksum: int):
+    def __init__(self, cfg_dict: dict, worker_id: int, device: str, gpu_pool: list[int] | None, stop_ids: list[int],
+                 weights, version: int, checksum: int):
+        """``device``: ``cpu``, or ``cuda``: the GPU Ray assigned this worker, named as ``gpu_pool`` says
+        (``grpo.process.ray_placement.worker_gpu``)."""
         from tensordict import set_list_to_stack
 
         from grpo.inference.engine import make_inference
@@ -52,7 +55,7 @@ class RolloutWorker:
         set_list_to_stack(True).set()
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
-        self.device = torch_device = torch.device(device)
+        self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
         configure_attention_kernels(cfg)
         tokenizer = load_tokenizer(cfg.model.name)
         # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
@@ -123,10 +126,16 @@ class RolloutPool:
         self.batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
         self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
-        self._worker_args = (OmegaConf.to_container(cfg, resolve=True), [str(d) for d in devices], stop_ids)
+        on_gpus = devices[0].type == "cuda"
+        # a local Ray's GPUs are the inference GPUs in order (ray_placement.local_ray_resources); a cluster's its nodes'
+        gpu_pool = [d.index for d in devices] if on_gpus and cfg.ray.address is None else None
+        self._worker_args = (OmegaConf.to_container(cfg, resolve=True), devices[0].type, gpu_pool, stop_ids)
+        # one GPU each, which Ray assigns; workers that outnumber the GPUs share them, as evenly as whole workers go
+        self._worker_resources = {"num_cpus": 1} | (
+            {"num_gpus": gpu_share(cfg.train.num_collectors, len(devices))} if on_gpus else {})
         snapshot = self._snapshot(as_state_dict(weights))
         # GPU to GPU where the workers share this host (Ray's one node), else through the object store
-        self.cuda_ipc = one_host() and all(t.is_cuda for t in snapshot.values()) and devices[0].type == "cuda"
+        self.cuda_ipc = one_host() and all(t.is_cuda for t in snapshot.values()) and on_gpus
         self._weights = PublishedWeights(snapshot, version, self.cuda_ipc)  # what a (re)started worker begins with
         self.pushed_version = version
         self.workers = [self._start_worker(i) for i in range(cfg.train.num_collectors)]
@@ -145,15 +154,16 @@ class RolloutPool:
         self._assign()
 
     def _start_worker(self, worker_id: int):
-        cfg_dict, devices, stop_ids = self._worker_args
+        cfg_dict, device, gpu_pool, stop_ids = self._worker_args
         runtime_env = {"env_vars": {"PYTHONPATH": ray_pythonpath(),
-                                    # workers address GPUs by the allocation's logical ids
-                                    "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                                    # workers address GPUs by the allocation's logical ids, as the trainer does: CUDA
+                                    # IPC handles name the device by its index
+                                    **SAME_GPU_IDS,
                                     # read by the worker's first vLLM import, before its engine starts
                                     "VLLM_LOGGING_LEVEL": self.cfg.inference_model.vllm_log_level}}
         published = self._weights
-        return RolloutWorker.options(num_cpus=1, runtime_env=runtime_env).remote(
-            cfg_dict, worker_id, devices[worker_id % len(devices)], stop_ids, published.message(), published.version,
+        return RolloutWorker.options(**self._worker_resources, runtime_env=runtime_env).remote(
+            cfg_dict, worker_id, device, gpu_pool, stop_ids, published.message(), published.version,
             published.checksum)
 
     def _assign(self) -> None:

@@ -1,0 +1,191 @@
+"""Where Ray puts the async script's processes: its trainer ranks 1..N-1, as Ray actors beside the rollout workers,
+and each rollout worker on the GPU Ray assigns it.
+
+The async script already needs Ray for its rollout workers; with its trainer ranks as Ray actors too, Ray places
+every process of a run, so a cluster that Ray spans needs no other launcher (torchrun, ssh) to add trainer ranks
+on other nodes. Rank 0 stays the process Hydra started (its config, run dir and terminal), as with
+``grpo.process.launch``'s processes, and each actor runs the follower loop a torchrun rank runs (``follow_run``),
+joining rank 0's process group at the address rank 0 publishes (its node's IP as Ray knows it, a free port).
+Ray ends an actor when the driver that owns it dies, however it dies, so no rank outlives rank 0.
+
+A rollout worker on GPUs asks Ray for one (a share of one where workers outnumber the inference GPUs) and
+generates on the GPU Ray assigns it, under the id the allocation gives that GPU (``worker_gpu``). A local Ray the
+script starts holds the inference GPUs alone as its GPUs (``local_ray_resources``): Ray cannot assign a worker a
+GPU that trains. Its trainer ranks then take a resource of their own per train GPU, not one of Ray's GPUs, whose
+ids Ray hands out in no documented order (a rank given an inference GPU's slot would leave a worker the train
+GPU's). Joining a cluster (``ray.address``), the ranks and workers take the GPUs its nodes declare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import ray
+import torch
+import torch.distributed as dist
+
+from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.process.errors import ConfigError
+from grpo.process.launch import REAP_GRACE_S
+from grpo.process.setup import ray_pythonpath
+from grpo.process.world import World, join_group
+
+# actors address GPUs by the allocation's logical ids, as rank 0 does: Ray would otherwise narrow
+# CUDA_VISIBLE_DEVICES to the GPU it assigned, and the rank's allocated train GPU would not be cuda:<id> there
+SAME_GPU_IDS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+TRAINER_GPU = "grpo_trainer_gpu"  # a local Ray's resource for each train GPU of ranks 1..N-1 (its GPUs: inference's)
+
+
+@contextlib.contextmanager
+def ray_session(cfg, trainer_actors: int = 0):
+    """Ray for this run: the one this process joined already (the trainer ranks' launcher started it, and ends it),
+    else started, or ``ray.address``'s cluster joined, here and left at the end. A local Ray is checked to hold
+    the run's actors: ``trainer_actors`` trainer ranks and ``train.num_collectors`` rollout workers."""
+    if ray.is_initialized():
+        yield
+        return
+    local = {}
+    if cfg.ray.address is None and torch.cuda.is_available():  # checks nothing start_run would not: it loads nothing
+        devices = allocate_devices(cfg, inference_engines=cfg.train.num_collectors, dedicated_inference=True)
+        local = local_ray_resources(devices, trainer_actors)
+    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
+    try:
+        if cfg.ray.address is None:
+            check_room(ray.cluster_resources(), trainer_actors, cfg.train.num_collectors, torch.cuda.is_available())
+        yield
+    finally:
+        ray.shutdown()
+
+
+def local_ray_resources(devices: DeviceAllocation, trainer_actors: int) -> dict:
+    """``ray.init``'s GPUs for a local Ray: the inference GPUs alone, Ray's GPU ``j`` being ``devices.inference[j]``
+    (``worker_gpu``), and one ``TRAINER_GPU`` per trainer rank it places. On the CPU: none."""
+    if devices.cpu:
+        return {}
+    return {"num_gpus": len(devices.inference), "resources": {TRAINER_GPU: trainer_actors} if trainer_actors else None}
+
+
+def trainer_rank_resources(cfg) -> dict:
+    """What one trainer rank asks Ray for: a GPU (a local Ray's ``TRAINER_GPU``: its GPUs are the workers'), or a
+    CPU where there is no GPU."""
+    if not torch.cuda.is_available():
+        return {"num_cpus": 1}
+    return {"resources": {TRAINER_GPU: 1}} if cfg.ray.address is None else {"num_gpus": 1}
+
+
+def gpu_share(workers: int, gpus: int) -> float:
+    """The share of a GPU each of ``workers`` rollout workers asks for: 1 each, or where they outnumber the ``gpus``
+    (the allocation lets them share), the share that packs them evenly: at most ``ceil(workers / gpus)`` a GPU.
+    An even split (2/3 each for 3 workers on 2 GPUs) would leave the third waiting: 1/3 free on each GPU."""
+    return 1 / -(-workers // gpus)
+
+
+def worker_gpu(ray_gpu_ids: list, visible: str | None, pool: list[int] | None) -> int:
+    """The logical id (``cuda:<id>`` here and on the trainer) of the GPU Ray assigned a worker: ``ray_gpu_ids`` from
+    ``ray.get_gpu_ids()``, which names Ray's GPU slot ``j`` by the ``j``-th entry of ``CUDA_VISIBLE_DEVICES``
+    (``visible``; unset: ``j``); ``pool``: the logical ids Ray's slots stand for, in slot order (a local Ray's:
+    ``local_ray_resources``), or None where they are the node's visible GPUs (a cluster's)."""
+    if len(ray_gpu_ids) != 1:
+        raise RuntimeError(f"a rollout worker was assigned GPUs {ray_gpu_ids}: it asks for one (or a share of one)")
+    slot = visible.split(",").index(str(ray_gpu_ids[0])) if visible else int(ray_gpu_ids[0])
+    return slot if pool is None else pool[slot]
+
+
+def assigned_gpu(pool: list[int] | None) -> torch.device:
+    """In a rollout worker: the GPU Ray assigned it, as ``worker_gpu`` names it."""
+    return torch.device("cuda", worker_gpu(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), pool))
+
+
+def check_room(resources: dict, trainer_actors: int, workers: int, gpus: bool) -> None:
+    """A local Ray too small for the run's actors would leave one waiting for a CPU forever, and the run with it."""
+    cpus = workers + (0 if gpus else trainer_actors)  # each worker takes a CPU; a trainer rank its GPU, or a CPU
+    if resources.get("CPU", 0) < cpus:
+        ranks = f"{trainer_actors} trainer rank(s) and " if not gpus and trainer_actors else ""
+        raise ConfigError(f"ray.num_cpus={resources.get('CPU', 0):g} is too few for the run's Ray actors: {ranks}"
+                          f"{workers} rollout worker(s) (train.num_collectors), one CPU each. Fix: ray.num_cpus={cpus} "
+                          "or ray.num_cpus=null (all)")
+
+
+@ray.remote
+class TrainerRank:
+    """A trainer rank other than 0, as a Ray actor: ``follow`` runs the follower loop until rank 0 leads the stop."""
+
+    def follow(self, env: dict) -> int:
+        """``follow_run`` under torchrun's variables (``env``); returns rank 0's exit status. A crash ends this
+        process, as it ends a follower process: its connections close, and rank 0's next collective fails at once
+        (a Ray actor would otherwise live on, holding them open, and rank 0 would wait out gloo's timeout)."""
+        from grpo.loop.run import follow_run
+
+        os.environ.update(env)
+        try:
+            return follow_run()
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+
+
+@contextlib.contextmanager
+def ray_followers(cfg, script: str, size: int):
+    """Ranks 1..size-1 of a world this process hosts as rank 0, as ``TrainerRank`` actors (``script`` is the
+    process launcher's: an actor runs ``follow_run`` itself). On GPUs each asks Ray for one
+    (``trainer_rank_resources``) and trains on the allocation's GPU for its rank (``DeviceAllocation.for_rank``); on
+    the CPU it asks for one CPU. At the end the
+    group is left and the actors get ``REAP_GRACE_S`` to end their loop, then are killed; at once if the group was
+    never joined."""
+    with ray_session(cfg, trainer_actors=size - 1):
+        address = ray.util.get_node_ip_address()  # where rank 0 runs, reachable from every node of the cluster
+        with socket.socket() as probe:  # free now; taken before rank 0 binds it, an error at once, not a hang
+            probe.bind((address, 0))
+            port = probe.getsockname()[1]
+        env = {"WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": address, "MASTER_PORT": str(port)}
+        options = {"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
+        resources = trainer_rank_resources(cfg)
+        ranks = [TrainerRank.options(**resources, runtime_env=options).remote() for _ in range(1, size)]
+        loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r, rank in enumerate(ranks, 1)]
+        joined = False
+        try:
+            with _ended_if_one_ends_first(ranks, loops):
+                join_group(init_method=f"tcp://{address}:{port}", rank=0, world_size=size)
+            joined = True
+            yield World.from_env()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.wait(loops, num_returns=len(loops), timeout=REAP_GRACE_S if joined else 0)
+            for rank in ranks:
+                ray.kill(rank)
+
+
+@contextlib.contextmanager
+def _ended_if_one_ends_first(ranks: list, loops: list):
+    """While rank 0 waits for its followers to join, blocked in C++: one whose loop ends first (a crash on import
+    or on its GPU) never will, so a thread ends the run rather than wait out the 30-minute store timeout."""
+    joining = threading.Event()
+    joining.set()
+
+    def watch() -> None:
+        while joining.is_set():
+            ended, _ = ray.wait(loops, num_returns=1, timeout=0.2)
+            if ended and joining.is_set():
+                rank = loops.index(ended[0]) + 1
+                print(f"error: rank {rank} (a Ray actor) ended before joining rank 0; its output above says why",
+                      file=sys.stderr, flush=True)
+                for actor in ranks:
+                    ray.kill(actor)
+                os._exit(1)
+            time.sleep(0.05)
+
+    threading.Thread(target=watch, name="ranks-joining", daemon=True).start()
+    try:
+        yield
+    finally:
+        joining.clear()

@@ -1,0 +1,87 @@
+"""Where Ray puts the async script's rollout workers on GPUs: each on the GPU Ray assigns it, named as the trainer
+names it, and a local Ray offering the inference GPUs alone. A CPU machine has no GPU, but Ray assigns GPUs it is
+told of all the same: these tests start Ray with the GPUs the script would declare and read back what it assigns."""
+
+import os
+
+import pytest
+import ray
+from omegaconf import OmegaConf
+
+from grpo.process.devices import allocate_devices
+from grpo.process.ray_placement import SAME_GPU_IDS, TRAINER_GPU, assigned_gpu, gpu_share, local_ray_resources, \
+    worker_gpu
+from grpo.process.setup import ray_pythonpath
+
+
+@ray.remote
+class GpuProbe:
+    """Stands where a rollout worker stands (the same Ray request and environment) and says which GPU it got."""
+
+    def gpu(self, pool) -> tuple[str, str | None]:
+        return str(assigned_gpu(pool)), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def four_gpu_layout(collectors: int):
+    """4 GPUs: 2 trainer ranks on GPUs 0 and 1, 2 inference GPUs (2 and 3), ``collectors`` rollout workers."""
+    cfg = OmegaConf.create({"train_model": {"num_devices": 2}, "inference_model": {"num_devices": 2},
+                            "ref_model": {"colocate": True}, "train": {"num_collectors": collectors}})
+    return allocate_devices(cfg, inference_engines=collectors, dedicated_inference=True, visible_gpus=4)
+
+
+@pytest.fixture
+def local_ray(monkeypatch):
+    """A local Ray started as the script starts it for ``four_gpu_layout``, under CUDA_VISIBLE_DEVICES=4,5,6,7 (so
+    Ray's GPU names and the logical ids differ); yields the allocation."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the raylet, and through it every worker, inherits it
+    devices = four_gpu_layout(collectors=3)
+    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}},
+             **local_ray_resources(devices, trainer_actors=1))
+    try:
+        yield devices
+    finally:
+        ray.shutdown()
+
+
+def probes(workers: int, share: float, pool):
+    options = {"num_cpus": 1, "num_gpus": share, "runtime_env": {"env_vars": SAME_GPU_IDS}}
+    actors = [GpuProbe.options(**options).remote() for _ in range(workers)]
+    return ray.get([actor.gpu.remote(pool) for actor in actors], timeout=120)  # a hang guard: all must fit
+
+
+def test_a_local_ray_offers_the_inference_gpus_alone_and_each_worker_gets_its_own(local_ray):
+    """Ray knows 2 GPUs (the inference GPUs; the train GPUs are not Ray's to give) and one train GPU for rank 1;
+    two workers asking for a GPU each get distinct ones, which they name cuda:2 and cuda:3, as the trainer does
+    (CUDA_VISIBLE_DEVICES left as the trainer's, so CUDA IPC handles name the same devices)."""
+    assert local_ray.train == [0, 1] and local_ray.inference == [2, 3]
+    resources = ray.cluster_resources()
+    assert resources["GPU"] == 2 and resources[TRAINER_GPU] == 1
+    got = probes(2, gpu_share(2, 2), local_ray.inference)
+    assert sorted(device for device, _ in got) == ["cuda:2", "cuda:3"]
+    assert {visible for _, visible in got} == {"4,5,6,7"}
+
+
+def test_workers_that_outnumber_the_inference_gpus_share_them_evenly(local_ray):
+    """3 workers on 2 inference GPUs: all are placed (half a GPU each), at most 2 on one, none on a train GPU."""
+    got = [device for device, _ in probes(3, gpu_share(3, 2), local_ray.inference)]
+    assert set(got) <= {"cuda:2", "cuda:3"} and max(got.count("cuda:2"), got.count("cuda:3")) == 2
+
+
+@pytest.mark.parametrize("workers,gpus,share", [(1, 1, 1.0), (2, 2, 1.0), (3, 2, 0.5), (4, 2, 0.5), (5, 2, 1 / 3)])
+def test_gpu_share_packs_whole_workers(workers, gpus, share):
+    assert gpu_share(workers, gpus) == pytest.approx(share)
+
+
+@pytest.mark.parametrize("ray_ids,visible,pool,logical", [
+    (["5"], "4,5,6,7", [2, 3], 3),   # a local Ray: its GPU slot 1 (named "5") is the second inference GPU
+    ([1], None, [2, 3], 3),          # the same with CUDA_VISIBLE_DEVICES unset: Ray names the slot by its number
+    (["6"], "4,5,6,7", None, 2),     # a cluster node's GPUs are its visible GPUs: "6" is cuda:2
+    ([0], None, None, 0),
+])
+def test_worker_gpu_names_ray_s_gpu_as_the_allocation_does(ray_ids, visible, pool, logical):
+    assert worker_gpu(ray_ids, visible, pool) == logical
+
+
+def test_a_worker_given_two_gpus_is_a_bug_said_so():
+    with pytest.raises(RuntimeError, match=r"assigned GPUs \['4', '5'\]: it asks for one"):
+        worker_gpu(["4", "5"], "4,5,6,7", None)
