@@ -125,11 +125,16 @@ class TrainerRank:
 
         os.environ.update(env)
         try:
-            return follow_run()
+            status = follow_run()
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
             os._exit(1)
+        # this process outlives its loop (until rank 0 kills the actor), and NCCL's teardown on rank 0 waits for
+        # every peer's (2×H200: rank 0 hung in destroy_process_group until killed), so leave the group now
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return status
 
 
 @contextlib.contextmanager
@@ -157,12 +162,12 @@ def ray_followers(cfg, script: str, size: int):
             joined = True
             yield World.from_env()
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            with contextlib.suppress(ray.exceptions.RayError):
+            with contextlib.suppress(ray.exceptions.RayError):  # the stop was led: their loops end, and leave the group
                 ray.wait(loops, num_returns=len(loops), timeout=REAP_GRACE_S if joined else 0)
             for rank in ranks:
                 ray.kill(rank)
+            if dist.is_initialized():  # after the followers left it or were killed: NCCL's teardown waits for them
+                dist.destroy_process_group()
 
 
 @contextlib.contextmanager
