@@ -105,7 +105,14 @@ def _followers(script: str, size: int):
     joined = False
     try:
         # the followers join through torchrun's env:// rendezvous; tcp:// is the same store at that port
-        with _ended_if_one_dies_first(followers):
+        def first_exited() -> str | None:
+            for rank, follower in enumerate(followers, start=1):
+                if follower.poll() is not None:
+                    return (f"error: rank {rank} exited (status {follower.returncode}) before joining rank 0; its "
+                            "output above says why")
+            return None
+
+        with ended_if_one_ends_first(first_exited, lambda: [follower.kill() for follower in followers], poll_s=0.2):
             join_group(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size)
         joined = True
         yield World.from_env()
@@ -122,22 +129,21 @@ def _followers(script: str, size: int):
 
 
 @contextlib.contextmanager
-def _ended_if_one_dies_first(followers: list[subprocess.Popen]):
-    """While rank 0 waits for its followers to join: a follower that exits first (a crash on import or on its GPU)
-    never will, and rank 0, blocked in C++, would wait out the 30-minute timeout; so a thread ends the run."""
+def ended_if_one_ends_first(first_ended, stop_all, poll_s: float):
+    """While rank 0 waits for its followers to join: a follower that ends first (a crash on import or on its GPU)
+    never will, and rank 0, blocked in C++, would wait out the 30-minute timeout; so a thread ends the run.
+    ``first_ended()``: the error line naming a follower that ended, else None; ``stop_all()`` ends the others."""
     joining = threading.Event()
     joining.set()
 
     def watch() -> None:
         while joining.is_set():
-            for rank, follower in enumerate(followers, start=1):
-                if follower.poll() is not None and joining.is_set():
-                    print(f"error: rank {rank} exited (status {follower.returncode}) before joining rank 0; its "
-                          "output above says why", file=sys.stderr, flush=True)
-                    for other in followers:
-                        other.kill()
-                    os._exit(1)
-            time.sleep(0.2)
+            error = first_ended()
+            if error and joining.is_set():
+                print(error, file=sys.stderr, flush=True)
+                stop_all()
+                os._exit(1)
+            time.sleep(poll_s)
 
     threading.Thread(target=watch, name="followers-joining", daemon=True).start()
     try:

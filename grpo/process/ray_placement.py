@@ -22,8 +22,6 @@ import contextlib
 import os
 import socket
 import sys
-import threading
-import time
 import traceback
 
 import ray
@@ -32,7 +30,7 @@ import torch.distributed as dist
 
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import ConfigError
-from grpo.process.launch import REAP_GRACE_S
+from grpo.process.launch import REAP_GRACE_S, ended_if_one_ends_first
 from grpo.process.setup import ray_pythonpath
 from grpo.process.world import World, join_group
 
@@ -157,7 +155,12 @@ def ray_followers(cfg, script: str, size: int):
         loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r, rank in enumerate(ranks, 1)]
         joined = False
         try:
-            with _ended_if_one_ends_first(ranks, loops):
+            def first_ended() -> str | None:  # waits up to 0.2 s for one
+                ended, _ = ray.wait(loops, num_returns=1, timeout=0.2)
+                return (f"error: rank {loops.index(ended[0]) + 1} (a Ray actor) ended before joining rank 0; its "
+                        "output above says why") if ended else None
+
+            with ended_if_one_ends_first(first_ended, lambda: [ray.kill(rank) for rank in ranks], poll_s=0.05):
                 join_group(init_method=f"tcp://{address}:{port}", rank=0, world_size=size)
             joined = True
             yield World.from_env()
@@ -168,29 +171,3 @@ def ray_followers(cfg, script: str, size: int):
                 ray.kill(rank)
             if dist.is_initialized():  # after the followers left it or were killed: NCCL's teardown waits for them
                 dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _ended_if_one_ends_first(ranks: list, loops: list):
-    """While rank 0 waits for its followers to join, blocked in C++: one whose loop ends first (a crash on import
-    or on its GPU) never will, so a thread ends the run rather than wait out the 30-minute store timeout."""
-    joining = threading.Event()
-    joining.set()
-
-    def watch() -> None:
-        while joining.is_set():
-            ended, _ = ray.wait(loops, num_returns=1, timeout=0.2)
-            if ended and joining.is_set():
-                rank = loops.index(ended[0]) + 1
-                print(f"error: rank {rank} (a Ray actor) ended before joining rank 0; its output above says why",
-                      file=sys.stderr, flush=True)
-                for actor in ranks:
-                    ray.kill(actor)
-                os._exit(1)
-            time.sleep(0.05)
-
-    threading.Thread(target=watch, name="ranks-joining", daemon=True).start()
-    try:
-        yield
-    finally:
-        joining.clear()
