@@ -36,7 +36,7 @@ def generation(cfg) -> dict:
 def train(cfg) -> Run:
     run = start_run(cfg, **generation(cfg))
     ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
-    with ray_session(cfg):  # started here, or by the trainer ranks' launcher (ray_followers), whose actors it holds
+    with ray_session(cfg, run.devices):  # started here, or by the ranks' launcher (ray_followers), holding its actors
         run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
         pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,  # on resume: its weights
                            run.trainer.engine_weights(), run.trainer.policy_version)

@@ -37,12 +37,12 @@ REAP_GRACE_S = 30  # what a follower has to exit once rank 0 led the stop; it ta
 
 @contextlib.contextmanager
 def trainer_world(cfg, script: str, check, followers=None):
-    """Rank 0's world for its whole run: the other ranks started by ``followers(cfg, script, size)`` (a context
-    that yields the joined world: ``process_followers``, the default, runs ``script`` as each; the async script's
-    are Ray actors, ``grpo.process.ray_placement``) or, under torchrun, joined; however the run ends, they are told
-    to stop with its exit status (``World.leading``). ``check(cfg)``: the checks that need no other rank, run before
-    any is started; under torchrun, whose ranks run already, the run makes them inside the world, which tells those
-    ranks to stop."""
+    """Rank 0's world for its whole run: the other ranks started by ``followers(cfg, devices, script, size)`` (a
+    context that yields the joined world: ``process_followers``, the default, runs ``script`` as each; the async
+    script's are Ray actors, ``grpo.process.ray_placement``) or, under torchrun, joined; however the run ends, they
+    are told to stop with its exit status (``World.leading``). ``check(cfg)``: the checks that need no other rank,
+    run before any is started, returning the run's ``DeviceAllocation``; under torchrun, whose ranks run already,
+    the run makes them inside the world, which tells those ranks to stop."""
     if "WORLD_SIZE" in os.environ:  # torchrun's ranks
         world = World.from_env()
         with world.leading():
@@ -57,9 +57,10 @@ def trainer_world(cfg, script: str, check, followers=None):
             (f"train_model.num_devices={ranks}", f"train_model.num_devices={visible}")
         raise DeviceAllocationError(f"{setting} asks for {ranks} trainer ranks, one GPU each, but {visible} GPU(s) "
                                     f"visible. Fix: {fix}")
-    check(cfg)
+    devices = check(cfg)
     followers = followers or process_followers
-    with (followers(cfg, script, ranks) if ranks > 1 else contextlib.nullcontext(World())) as world, world.leading():
+    started = followers(cfg, devices, script, ranks) if ranks > 1 else contextlib.nullcontext(World())
+    with started as world, world.leading():
         yield world
 
 
@@ -84,7 +85,7 @@ def agree_with_launcher(cfg, world: World) -> None:
             f"or leave out torchrun: on one node {setting} starts its ranks itself")
 
 
-def process_followers(cfg, script: str, size: int):
+def process_followers(cfg, devices, script: str, size: int):
     """Ranks 1..size-1 as processes of this node: ``script`` run with torchrun's variables (``_followers``)."""
     return _followers(script, size)
 

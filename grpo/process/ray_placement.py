@@ -29,7 +29,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.process.devices import DeviceAllocation
 from grpo.process.errors import ConfigError
 from grpo.process.launch import REAP_GRACE_S, ended_if_one_ends_first
 from grpo.process.setup import ray_pythonpath
@@ -42,22 +42,20 @@ TRAINER_GPU = "grpo_trainer_gpu"  # a local Ray's resource for each train GPU of
 
 
 @contextlib.contextmanager
-def ray_session(cfg, trainer_actors: int = 0):
+def ray_session(cfg, devices: DeviceAllocation, trainer_actors: int = 0):
     """Ray for this run: the one this process joined already (the trainer ranks' launcher started it, and ends it),
-    else started, or ``ray.address``'s cluster joined, here and left at the end. A local Ray is checked to hold
-    the run's actors: ``trainer_actors`` trainer ranks and ``train.num_collectors`` rollout workers."""
+    else started (with ``devices``' GPUs: ``local_ray_resources``), or ``ray.address``'s cluster joined, here and
+    left at the end. A local Ray is checked to hold the run's actors: ``trainer_actors`` trainer ranks and
+    ``train.num_collectors`` rollout workers."""
     if ray.is_initialized():
         yield
         return
-    local = {}
-    if cfg.ray.address is None and torch.cuda.is_available():  # checks nothing start_run would not: it loads nothing
-        devices = allocate_devices(cfg, inference_engines=cfg.train.num_collectors, dedicated_inference=True)
-        local = local_ray_resources(devices, trainer_actors)
+    local = local_ray_resources(devices, trainer_actors) if cfg.ray.address is None else {}
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
     try:
         if cfg.ray.address is None:
-            check_room(ray.cluster_resources(), trainer_actors, cfg.train.num_collectors, torch.cuda.is_available())
+            check_room(ray.cluster_resources(), trainer_actors, cfg.train.num_collectors, not devices.cpu)
         yield
     finally:
         ray.shutdown()
@@ -71,10 +69,10 @@ def local_ray_resources(devices: DeviceAllocation, trainer_actors: int) -> dict:
     return {"num_gpus": len(devices.inference), "resources": {TRAINER_GPU: trainer_actors} if trainer_actors else None}
 
 
-def trainer_rank_resources(cfg) -> dict:
+def trainer_rank_resources(cfg, devices: DeviceAllocation) -> dict:
     """What one trainer rank asks Ray for: a GPU (a local Ray's ``TRAINER_GPU``: its GPUs are the workers'), or a
     CPU where there is no GPU."""
-    if not torch.cuda.is_available():
+    if devices.cpu:
         return {"num_cpus": 1}
     return {"resources": {TRAINER_GPU: 1}} if cfg.ray.address is None else {"num_gpus": 1}
 
@@ -137,21 +135,20 @@ class TrainerRank:
 
 
 @contextlib.contextmanager
-def ray_followers(cfg, script: str, size: int):
+def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int):
     """Ranks 1..size-1 of a world this process hosts as rank 0, as ``TrainerRank`` actors (``script`` is the
     process launcher's: an actor runs ``follow_run`` itself). On GPUs each asks Ray for one
     (``trainer_rank_resources``) and trains on the allocation's GPU for its rank (``DeviceAllocation.for_rank``); on
-    the CPU it asks for one CPU. At the end the
-    group is left and the actors get ``REAP_GRACE_S`` to end their loop, then are killed; at once if the group was
-    never joined."""
-    with ray_session(cfg, trainer_actors=size - 1):
+    the CPU it asks for one CPU. At the end the actors get ``REAP_GRACE_S`` to end their loop (and leave the group),
+    at once if the group was never joined, then are killed, and rank 0 leaves the group last."""
+    with ray_session(cfg, devices, trainer_actors=size - 1):
         address = ray.util.get_node_ip_address()  # where rank 0 runs, reachable from every node of the cluster
         with socket.socket() as probe:  # free now; taken before rank 0 binds it, an error at once, not a hang
             probe.bind((address, 0))
             port = probe.getsockname()[1]
         env = {"WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": address, "MASTER_PORT": str(port)}
         options = {"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
-        resources = trainer_rank_resources(cfg)
+        resources = trainer_rank_resources(cfg, devices)
         ranks = [TrainerRank.options(**resources, runtime_env=options).remote() for _ in range(1, size)]
         loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r, rank in enumerate(ranks, 1)]
         joined = False

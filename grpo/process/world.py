@@ -8,7 +8,8 @@ number of forward/backward passes, which FSDP2's collectives need, and the loss 
 the number of ranks (each term a sum divided by the global minibatch's totals; gradients summed).
 
 Rank 0 leads a run: it generates (in sync, every rank may generate its share: ``grpo.rollout.local_rollouts``),
-evaluates and writes everything (metrics, samples, checkpoints, the export). The other ranks follow (``Trainer.follow``): each waits for rank 0 to name the next collective
+evaluates and writes everything (metrics, samples, checkpoints, the export). The other ranks follow
+(``Trainer.follow``): each waits for rank 0 to name the next collective
 (a GRPO step on the batch it sends, a state gather for a checkpoint or a weight push, or the end of the
 run), so a rank never needs to know the run's schedule, and a failure on rank 0 between collectives
 still reaches the others as a stop.
