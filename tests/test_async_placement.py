@@ -3,14 +3,15 @@ names it, and a local Ray offering the inference GPUs alone. A CPU machine has n
 told of all the same: these tests start Ray with the GPUs the script would declare and read back what it assigns."""
 
 import os
+import time
 
 import pytest
 import ray
 from omegaconf import OmegaConf
 
-from grpo.process.devices import allocate_devices
-from grpo.process.ray_placement import SAME_GPU_IDS, TRAINER_GPU, assigned_gpu, gpu_share, local_ray_resources, \
-    worker_gpu
+from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.process.ray_placement import MEMORY_MONITOR, SAME_GPU_IDS, TRAINER_GPU, assigned_gpu, gpu_share, \
+    local_ray_resources, ray_session, worker_gpu
 from grpo.process.setup import ray_pythonpath
 
 
@@ -85,3 +86,28 @@ def test_worker_gpu_names_ray_s_gpu_as_the_allocation_does(ray_ids, visible, poo
 def test_a_worker_given_two_gpus_is_a_bug_said_so():
     with pytest.raises(RuntimeError, match=r"assigned GPUs \['4', '5'\]: it asks for one"):
         worker_gpu(["4", "5"], "4,5,6,7", None)
+
+
+@ray.remote
+class Sleeper:
+    def sleep(self, seconds: float) -> bool:
+        time.sleep(seconds)
+        return True
+
+
+@pytest.mark.parametrize("kill_on_low_memory", [False, True])
+def test_a_local_ray_kills_no_actor_for_the_node_s_memory_unless_asked(kill_on_low_memory, monkeypatch):
+    """Ray's memory monitor, with its threshold at 1% of the node's memory (always passed), kills a busy actor; the
+    local Ray the script starts runs without it unless ``ray.kill_on_low_memory`` (in CI another test's memory got
+    a trainer rank killed, and the run ended)."""
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.01")
+    monkeypatch.setenv(MEMORY_MONITOR, "100")  # Ray's default is 250 ms; restored (unset) after the test
+    cfg = OmegaConf.create({"ray": {"address": None, "num_cpus": 1, "kill_on_low_memory": kill_on_low_memory},
+                            "train": {"num_collectors": 1}})
+    with ray_session(cfg, DeviceAllocation([], [], [], cpu=True)):
+        busy = Sleeper.remote().sleep.remote(3)
+        if kill_on_low_memory:
+            with pytest.raises(ray.exceptions.RayError, match="low on memory"):
+                ray.get(busy, timeout=120)  # a hang guard
+        else:
+            assert ray.get(busy, timeout=120)

@@ -38,6 +38,7 @@ from grpo.process.world import World, join_group
 # actors address GPUs by the allocation's logical ids, as rank 0 does: Ray would otherwise narrow
 # CUDA_VISIBLE_DEVICES to the GPU it assigned, and the rank's allocated train GPU would not be cuda:<id> there
 SAME_GPU_IDS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+MEMORY_MONITOR = "RAY_memory_monitor_refresh_ms"  # 0: a local Ray kills no actor for the node's memory use
 TRAINER_GPU = "grpo_trainer_gpu"  # a local Ray's resource for each train GPU of ranks 1..N-1 (its GPUs: inference's)
 
 
@@ -46,11 +47,15 @@ def ray_session(cfg, devices: DeviceAllocation, trainer_actors: int = 0):
     """Ray for this run: the one this process joined already (the trainer ranks' launcher started it, and ends it),
     else started (with ``devices``' GPUs: ``local_ray_resources``), or ``ray.address``'s cluster joined, here and
     left at the end. A local Ray is checked to hold the run's actors: ``trainer_actors`` trainer ranks and
-    ``train.num_collectors`` rollout workers."""
+    ``train.num_collectors`` rollout workers; its memory monitor is off unless ``ray.kill_on_low_memory``: it
+    judges by the whole node's memory, so any process's use got the newest actor killed (a trainer rank: the run
+    ended with a closed connection; a rollout worker: a restart)."""
     if ray.is_initialized():
         yield
         return
     local = local_ray_resources(devices, trainer_actors) if cfg.ray.address is None else {}
+    if cfg.ray.address is None and not cfg.ray.kill_on_low_memory:
+        os.environ[MEMORY_MONITOR] = "0"  # read by the raylet ray.init starts: its memory monitor never runs
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
     try:
@@ -151,7 +156,7 @@ def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int):
         resources = trainer_rank_resources(cfg, devices)
         ranks = [TrainerRank.options(**resources, runtime_env=options).remote() for _ in range(1, size)]
         loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r, rank in enumerate(ranks, 1)]
-        joined = False
+        joined = failed = False
         try:
             def first_ended() -> str | None:  # waits up to 0.2 s for one
                 ended, _ = ray.wait(loops, num_returns=1, timeout=0.2)
@@ -162,10 +167,27 @@ def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int):
                 join_group(init_method=f"tcp://{address}:{port}", rank=0, world_size=size)
             joined = True
             yield World.from_env()
+        except BaseException:
+            failed = True
+            raise
         finally:
             with contextlib.suppress(ray.exceptions.RayError):  # the stop was led: their loops end, and leave the group
                 ray.wait(loops, num_returns=len(loops), timeout=REAP_GRACE_S if joined else 0)
+            if failed:
+                report_dead_ranks(loops)
             for rank in ranks:
                 ray.kill(rank)
             if dist.is_initialized():  # after the followers left it or were killed: NCCL's teardown waits for them
                 dist.destroy_process_group()
+
+
+def report_dead_ranks(loops: list) -> None:
+    """After rank 0 failed: each rank whose actor died, with how Ray says it died (its exit code, or a kill by Ray's
+    memory monitor). A rank's connection closing is all rank 0's error shows, and the rank's own traceback, which Ray
+    forwards from its log a moment later, may never reach this terminal before Ray shuts down."""
+    ended, _ = ray.wait(loops, num_returns=len(loops), timeout=0)
+    for loop in ended:
+        try:
+            ray.get(loop)
+        except ray.exceptions.RayError as err:
+            print(f"rank {loops.index(loop) + 1} (a Ray actor) died: {err}", file=sys.stderr, flush=True)
