@@ -11,7 +11,8 @@ of 90-160 tokens, group advantages, the sampler's log-probs equal to the model's
 Reply lengths are ``cap`` (every reply at ``--max-new-tokens``, as a random-init model writes) or
 ``real`` (spread like the real Qwen2.5-Coder-0.5B's GSM8K replies: mean ~300, 5% cut at the cap).
 
-Each variant (``--variants``: ``ckpt=<0|1>,rows=<max rows>,tokens=<max padded tokens or 0>``) starts
+Each variant (``--variants``: ``ckpt=<share of layers recomputed, 0-1>,rows=<max rows>,tokens=<max padded tokens
+or 0>``; ``train_model.checkpoint_fraction``) starts
 from the same weights, runs one warm-up ``optimize`` and ``--repeats`` timed ones. It prints the
 train part's seconds, the micro-batches per minibatch, the reply+prompt tokens trained, the model
 FLOP/s (6 x parameters x tokens / s, recompute not counted, so checkpointing shows as a cost) and
@@ -53,7 +54,7 @@ def parse_args(argv=None):
 
 def parse_variant(text: str) -> dict:
     fields = dict(part.split("=") for part in text.split(","))
-    return {"ckpt": fields["ckpt"] == "1", "rows": int(fields["rows"]), "tokens": int(fields["tokens"]) or None}
+    return {"ckpt": float(fields["ckpt"]), "rows": int(fields["rows"]), "tokens": int(fields["tokens"]) or None}
 
 
 def reply_lengths(spread: str, n: int, cap: int, gen):
@@ -95,7 +96,7 @@ def main(argv=None) -> None:
 
     from bench_vs_trl import build_random_init_model
     from grpo.training.logprobs import ReplyLogProbs, score_replies
-    from grpo.training.models import load_policy_model, load_tokenizer
+    from grpo.training.models import enable_activation_checkpointing, load_policy_model, load_tokenizer
     from grpo.training.step import GRPOSettings, GRPOStep
     from grpo.training.trainer import make_optimizer, make_scheduler
 
@@ -109,21 +110,18 @@ def main(argv=None) -> None:
         tokenizer = load_tokenizer(str(model_dir))
         print(json.dumps({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                           "shape": args.shape, "replies": args.replies, "optim_batch_size": cfg.train.optim_batch_size}))
-        models = {}
-        for ckpt in sorted({v["ckpt"] for v in variants}):
-            cfg.train_model.gradient_checkpointing = ckpt
-            models[ckpt] = load_policy_model(cfg, tokenizer, device)
-        initial = {k: v.detach().clone() for k, v in next(iter(models.values())).state_dict().items()}
+        model = load_policy_model(cfg, tokenizer, device)  # each variant sets which of its layers recompute
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         params = sum(p.numel() for p in initial.values()) - initial["model.embed_tokens.weight"].numel()
         base = GRPOSettings.from_config(cfg)
         for spread in args.lengths.split(","):
             batch, prompt_len, reply_len = synthetic_batch(len(tokenizer), args, spread, tokenizer.pad_token_id)
-            batch["behaviour_log_probs"] = score_replies(batch, ReplyLogProbs(next(iter(models.values()))), base).float()  # on-policy
+            batch["behaviour_log_probs"] = score_replies(batch, ReplyLogProbs(model), base).float()  # on-policy
             tokens = int((prompt_len + reply_len).sum())
             objectives = []
             for variant in variants:
-                model = models[variant["ckpt"]]
-                settings = dataclasses.replace(base, gradient_checkpointing=variant["ckpt"],
+                enable_activation_checkpointing(model, variant["ckpt"])
+                settings = dataclasses.replace(base, gradient_checkpointing=variant["ckpt"] > 0,
                                                micro_batch_size=variant["rows"], micro_batch_tokens=variant["tokens"])
                 times, first = [], None
                 for call in range(1 + args.repeats):

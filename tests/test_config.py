@@ -43,6 +43,7 @@ def test_every_key_has_a_comment(name):
     ("env.num_envs=12", r"env.num_envs=12 must be a multiple of env.repeats=8"),
     ("train.optim_batch_size=48", r"train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64"),
     ("train.micro_batch_tokens=0", r"train.micro_batch_tokens=0 must be a whole number >= 1 \(e.g. 16384\) or null"),
+    ("train_model.checkpoint_fraction=1.5", r"train_model.checkpoint_fraction=1.5 must be in \[0, 1\]"),
     ("env.task=mmlu", r"env.task='mmlu' is unknown"),
     ("inference_model.backend=sglang", r"inference_model.backend='sglang'"),
     ("inference_model.max_new_tokens=600", r"inference_model.max_new_tokens=600 leaves no room.*max_model_len=512"),

@@ -62,3 +62,27 @@ def test_activation_checkpointing_leaves_no_grad_calls_untouched_and_still_train
     assert trained and all(p.grad is not None for p in trained.values())
     # LoRA's B starts at zero, so A's first gradient is zero too; every other trained weight gets one
     assert all(p.grad.abs().sum() > 0 for name, p in trained.items() if "lora_A" not in name)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_a_checkpoint_fraction_recomputes_that_share_of_the_layers_and_trains_the_same(tiny_model_dir, fraction):
+    """``train_model.checkpoint_fraction``: the first share of the decoder layers runs its forward again in backward,
+    the rest once; gradients are those of full checkpointing (the recompute is exact)."""
+    grads, forwards = {}, {}
+    for share in (1.0, fraction):
+        cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", "train_model.gradient_checkpointing=true",
+                                    f"train_model.checkpoint_fraction={share}"])
+        policy = load_policy_model(cfg, load_tokenizer(cfg.model.name), torch.device("cpu"))
+        layers = policy.model.layers
+        calls = [0] * len(layers)
+        for index, layer in enumerate(layers):
+            # on a module inside the layer: transformers 5.24 recomputes the layer's forward, not its __call__ (hooks)
+            layer.mlp.register_forward_pre_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+        policy.train()
+        policy(input_ids=torch.tensor([[1, 2, 3, 4, 5]])).logits.float().pow(2).mean().backward()
+        grads[share] = {name: p.grad for name, p in policy.named_parameters()}
+        forwards[share] = calls
+    recomputed = round(fraction * len(calls))
+    assert len(calls) >= 2 and forwards[1.0] == [2] * len(calls)
+    assert forwards[fraction] == [2] * recomputed + [1] * (len(calls) - recomputed)
+    assert all(torch.allclose(grads[fraction][name], g, rtol=1e-5, atol=1e-7) for name, g in grads[1.0].items())

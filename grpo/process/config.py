@@ -64,6 +64,9 @@ def validate_config(cfg) -> None:
         need(value in ("float32", "bfloat16", "float16"), f"{key}={value!r}; use float32, bfloat16 or float16.")
     need(cfg.train_model.gather_dtype in (None, "float32", "bfloat16"), f"train_model.gather_dtype="
          f"{cfg.train_model.gather_dtype!r}; use null, float32 or bfloat16.")
+    fraction = cfg.train_model.checkpoint_fraction
+    need(type(fraction) in (int, float) and 0 <= fraction <= 1, f"train_model.checkpoint_fraction={fraction!r} must be "
+         "in [0, 1]: the share of decoder layers that recompute (1 = all; or train_model.gradient_checkpointing=false).")
     need(isinstance(cfg.train_model.reshard_after_forward, bool), "train_model.reshard_after_forward="
          f"{cfg.train_model.reshard_after_forward!r} must be true or false.")
     need(cfg.env.repeats >= 2, f"env.repeats={cfg.env.repeats}: GRPO compares replies within a group, so it needs "

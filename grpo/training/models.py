@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torchrl.data.llm import History
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from grpo.process.errors import ModelLoadError
 from grpo.tasks.data import looks_local
@@ -120,13 +121,14 @@ def load_policy_model(cfg, tokenizer, device: torch.device):
             target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
         ))
     if cfg.train_model.gradient_checkpointing:
-        enable_activation_checkpointing(model)
+        enable_activation_checkpointing(model, cfg.train_model.checkpoint_fraction)
     return model.eval()
 
 
-def enable_activation_checkpointing(model) -> None:
-    """Recompute activations in backward (non-reentrant); transformers 5.24 renamed ``gradient_checkpointing_enable``
-    (the old name warns), the GPU machines run 5.17."""
+def enable_activation_checkpointing(model, fraction: float = 1.0) -> None:
+    """Recompute activations in backward (non-reentrant) in the first ``fraction`` of the decoder layers; the others
+    keep theirs: each layer left out saves its recompute and costs its activations. transformers 5.24 renamed
+    ``gradient_checkpointing_enable`` (the old name warns), the GPU machines run 5.17."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -136,6 +138,11 @@ def enable_activation_checkpointing(model) -> None:
     # checkpointing needs. Where the sampler is this very model (one GPU, same dtype), the hook runs in the
     # compiled decode step and torch.compile refuses it (H200, torch 2.11: "Unsupported Tensor.requires_grad_()").
     model.disable_input_require_grads()
+    # each decoder layer checks its own flag (transformers' GradientCheckpointingLayer, 5.17 and 5.24 alike)
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    recomputed = round(fraction * len(layers))
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index < recomputed
 
 
 def load_reference_model(cfg, tokenizer, device: torch.device):
