@@ -104,7 +104,7 @@ def main(argv=None):
     if not args.no_ray:
         import ray
 
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
         ray_mod = ray
     convert_s, replies = best_of(args.repeats, lambda: Replies.from_collector(batch))
     dense_s, _ = best_of(args.repeats, lambda: rollout_metrics(replies, to_training_batch(replies, pad_token_id,

@@ -19,8 +19,10 @@ import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
+from ray.cluster_utils import Cluster
 from tensordict import set_list_to_stack
 
+from grpo.process.ray_placement import MEMORY_MONITOR
 from grpo.training.logprobs import token_log_probs
 
 from tools.compose import compose_config as compose  # noqa: F401 - the tests import it from here
@@ -129,3 +131,24 @@ def reply_log_probs(model, batch) -> torch.Tensor:
     lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
                             with_entropy=False, entropy_grad=False)
     return lp
+
+
+@pytest.fixture
+def two_node_cluster(monkeypatch):
+    """A Ray cluster of two nodes on this machine (Ray's own test cluster): a head that offers no CPU, where a driver
+    attaches, and a node of 2 CPUs, where every actor must then go. Its address. Ray points
+    /tmp/ray/ray_current_cluster at it (and leaves it there): restored after."""
+    monkeypatch.setenv(MEMORY_MONITOR, "0")  # its raylets inherit it: no actor killed for the machine's memory
+    current = Path("/tmp/ray/ray_current_cluster")
+    before = current.read_text() if current.exists() else None
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+        if before is None:
+            current.unlink(missing_ok=True)
+        else:
+            current.write_text(before)

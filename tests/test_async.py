@@ -257,7 +257,8 @@ def test_pool_replaces_a_worker_killed_with_ray_kill():
     cfg = compose("grpo_tiny", SMALL + EXACT + ["train.buffer_size=1"])  # 2 batches ahead: the kill hits one
     tokenizer = load_tokenizer(str(TINY_MODEL))
     model = load_causal_lm(str(TINY_MODEL), tokenizer, dtype=torch.float32, device=torch.device("cpu"))
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}})
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}})
     try:
         ledger = PromptLedger()
         pool = RolloutPool(cfg, [torch.device("cpu")], stop_token_ids(tokenizer, model.generation_config), ledger,

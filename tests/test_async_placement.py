@@ -36,8 +36,8 @@ def local_ray(monkeypatch):
     Ray's GPU names and the logical ids differ); yields the allocation."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # the raylet, and through it every worker, inherits it
     devices = four_gpu_layout(collectors=3)
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}},
-             **local_ray_resources(devices, trainer_actors=1))
+    ray.init(address="local", num_cpus=3, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local_ray_resources(devices, trainer_actors=1))
     try:
         yield devices
     finally:
@@ -111,3 +111,12 @@ def test_a_local_ray_kills_no_actor_for_the_node_s_memory_unless_asked(kill_on_l
                 ray.get(busy, timeout=120)  # a hang guard
         else:
             assert ray.get(busy, timeout=120)
+
+
+def test_a_local_ray_is_the_run_s_own_even_beside_a_running_cluster(two_node_cluster):
+    """``ray.address=null`` starts a Ray of the run's own, not the cluster this machine started last (what Ray's
+    ``ray.init()`` without an address joins, even a dead one: a test run hung on one that way)."""
+    cfg = OmegaConf.create({"ray": {"address": None, "num_cpus": 1, "kill_on_low_memory": False},
+                            "train": {"num_collectors": 1}})
+    with ray_session(cfg, DeviceAllocation([], [], [], cpu=True)):
+        assert len(ray.nodes()) == 1 and ray.cluster_resources()["CPU"] == 1  # the cluster: 2 nodes, 2 CPUs

@@ -44,6 +44,9 @@ def test_every_key_has_a_comment(name):
     ("train.optim_batch_size=48", r"train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64"),
     ("train.micro_batch_tokens=0", r"train.micro_batch_tokens=0 must be a whole number >= 1 \(e.g. 16384\) or null"),
     ("train_model.checkpoint_fraction=1.5", r"train_model.checkpoint_fraction=1.5 must be in \[0, 1\]"),
+    (("ray.address=auto", "ray.num_cpus=2"), r"ray.num_cpus=2 sizes a local Ray, but ray.address=auto joins a cluster.*"
+                                             r"Fix: ray.num_cpus=null"),
+    ("ray.kill_on_low_memory=maybe", r"ray.kill_on_low_memory='maybe' must be true or false"),
     ("env.task=mmlu", r"env.task='mmlu' is unknown"),
     ("inference_model.backend=sglang", r"inference_model.backend='sglang'"),
     ("inference_model.max_new_tokens=600", r"inference_model.max_new_tokens=600 leaves no room.*max_model_len=512"),
@@ -63,7 +66,7 @@ def test_every_key_has_a_comment(name):
 ])
 def test_bad_values_name_key_and_fix(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
-        validate_config(compose("grpo_tiny", [override]))
+        validate_config(compose("grpo_tiny", [override] if isinstance(override, str) else list(override)))
 
 
 def test_missing_local_dataset(tmp_path):

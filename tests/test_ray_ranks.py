@@ -31,23 +31,50 @@ ASYNC_EXACT = [*SHORT_RUN, "train.total_steps=4", "train.weight_update_frequency
                "ray.num_cpus=2"]
 
 
-def test_the_async_script_s_other_ranks_are_ray_actors_that_train_as_torchrun_s(tmp_path):
-    """``grpo-async.py train_model.num_devices=2``: rank 1 is a Ray actor, placed by Ray beside the rollout worker,
-    and the run is the torchrun run's (rank 1 a process), metric for metric and weight for weight; no process of
-    either run is left."""
-    proc = run(tmp_path / "ray", ASYNC_EXACT, ranks=2, torchrun=False, script="grpo-async.py")
+@pytest.fixture(scope="module")
+def ray_actor_run(tmp_path_factory):
+    """``grpo-async.py train_model.num_devices=2`` on a local Ray (rank 1 a Ray actor) of ``ASYNC_EXACT``: the process
+    (finished, every process of its session gone), its steps and its export."""
+    run_dir = tmp_path_factory.mktemp("ray")
+    proc = run(run_dir, ASYNC_EXACT, ranks=2, torchrun=False, script="grpo-async.py")
     assert proc.returncode == 0 and all_gone(proc.session), "\n".join(
         [line for line in proc.stderr.splitlines() if "TrainerRank" in line or "Ray actor" in line][-20:]
         + [proc.stderr[-4000:]])
-    assert "(TrainerRank pid=" in proc.stderr  # rank 1's output, as Ray forwards an actor's
-    steps, export = trained(tmp_path / "torchrun", ASYNC_EXACT, ranks=2, script="grpo-async.py")
-    rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
-    ray_steps = {r["step"]: r for r in rows if "reward" in r}
-    assert sorted(ray_steps) == sorted(steps) == [1, 2, 3, 4]
-    for step, row in steps.items():
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return proc, {r["step"]: r for r in rows if "reward" in r}, load_file(run_dir / "export" / "model.safetensors")
+
+
+def assert_same_run(steps: dict, export: dict, expected_steps: dict, expected_export: dict) -> None:
+    assert sorted(steps) == sorted(expected_steps) == [1, 2, 3, 4]
+    for step, row in expected_steps.items():
         for key in ("reward", "prompt_indices", "loss_objective", "grad_norm", "kl_to_ref"):
-            assert ray_steps[step][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), (step, key)
-    assert_same_weights(load_file(tmp_path / "ray" / "export" / "model.safetensors"), export)
+            assert steps[step][key] == pytest.approx(row[key], rel=1e-6, abs=1e-9), (step, key)
+    assert_same_weights(export, expected_export)
+
+
+def test_the_async_script_s_other_ranks_are_ray_actors_that_train_as_torchrun_s(ray_actor_run, tmp_path):
+    """``grpo-async.py train_model.num_devices=2``: rank 1 is a Ray actor, placed by Ray beside the rollout worker,
+    and the run is the torchrun run's (rank 1 a process), metric for metric and weight for weight; no process of
+    either run is left."""
+    proc, ray_steps, ray_export = ray_actor_run
+    assert "(TrainerRank pid=" in proc.stderr  # rank 1's output, as Ray forwards an actor's
+    assert_same_run(ray_steps, ray_export, *trained(tmp_path, ASYNC_EXACT, ranks=2, script="grpo-async.py"))
+
+
+def test_joining_a_cluster_rank_1_and_the_worker_run_on_another_node_and_train_as_on_a_local_ray(
+        two_node_cluster, ray_actor_run, tmp_path):
+    """``ray.address=<cluster>``: rank 1 and the rollout worker run on the cluster's other node (the head, rank 0's,
+    offers no CPU), rank 1 joins rank 0's group at the address rank 0 publishes, the replies and weights cross
+    nodes through Ray, and the run is the local Ray's, metric for metric and weight for weight. On CPU: where GPUs
+    train, ranks span one node (docs/devices.md)."""
+    local = [o for o in ASYNC_EXACT if not o.startswith("ray.num_cpus=")]  # a cluster's nodes declare their CPUs
+    proc = run(tmp_path, [*local, f"ray.address={two_node_cluster}"], ranks=2, torchrun=False, script="grpo-async.py")
+    assert proc.returncode == 0 and all_gone(proc.session), proc.stderr[-4000:]
+    assert "Connected to Ray cluster" in proc.stderr and "(TrainerRank pid=" in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    _, ray_steps, ray_export = ray_actor_run
+    assert_same_run({r["step"]: r for r in rows if "reward" in r}, load_file(tmp_path / "export" / "model.safetensors"),
+                    ray_steps, ray_export)
 
 
 def ray_actor(session: int, name: str) -> int | None:

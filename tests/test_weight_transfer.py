@@ -13,7 +13,7 @@ from grpo.inference.weight_transfer import CudaIpcWeights, PublishedWeights, one
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     yield
     ray.shutdown()
 

@@ -86,6 +86,10 @@ def validate_config(cfg) -> None:
          "number >= 0 (0 = evaluate only: model.name, or resume='s checkpoint).")
     need(isinstance(cfg.resume_allow_changes, bool), f"resume_allow_changes={cfg.resume_allow_changes!r} must be true or "
          "false.")
+    need(cfg.ray.address is None or cfg.ray.num_cpus is None, f"ray.num_cpus={cfg.ray.num_cpus} sizes a local Ray, but "
+         f"ray.address={cfg.ray.address} joins a cluster, whose nodes declare their own CPUs. Fix: ray.num_cpus=null")
+    need(isinstance(cfg.ray.kill_on_low_memory, bool), f"ray.kill_on_low_memory={cfg.ray.kill_on_low_memory!r} must be "
+         "true or false.")
     need(isinstance(cfg.logging.export, bool), f"logging.export={cfg.logging.export!r} must be true or false.")
     need(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1.")
     need(0 <= t.clip_epsilon_low < 1 and t.clip_epsilon_high >= 0, "train.clip_epsilon_low must be in [0, 1) and "

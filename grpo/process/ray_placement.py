@@ -56,7 +56,9 @@ def ray_session(cfg, devices: DeviceAllocation, trainer_actors: int = 0):
     local = local_ray_resources(devices, trainer_actors) if cfg.ray.address is None else {}
     if cfg.ray.address is None and not cfg.ray.kill_on_low_memory:
         os.environ[MEMORY_MONITOR] = "0"  # read by the raylet ray.init starts: its memory monitor never runs
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+    # "local", not None: None joins whichever cluster this machine ran last (/tmp/ray/ray_current_cluster), even a
+    # dead one, where the config asked for a Ray of the run's own
+    ray.init(address=cfg.ray.address or "local", num_cpus=cfg.ray.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
     try:
         if cfg.ray.address is None:
