@@ -45,7 +45,7 @@ def train(cfg) -> Run:
 
 if __name__ == "__main__":
     if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes; its other
-        # trainer ranks are Ray actors, placed by Ray beside the rollout workers (one node for now: docs/devices.md)
+        # trainer ranks are Ray actors, placed by Ray beside the rollout workers (on GPUs one node: docs/devices.md)
         hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)), followers=ray_followers)
     else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

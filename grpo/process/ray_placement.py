@@ -2,8 +2,9 @@
 and each rollout worker on the GPU Ray assigns it.
 
 The async script already needs Ray for its rollout workers; with its trainer ranks as Ray actors too, Ray places
-every process of a run, the way to ranks on other nodes without another launcher (torchrun, ssh); one node for
-now, as the allocation names every rank's GPU by rank 0's node's ids (docs/devices.md). Rank 0 stays the process
+every process of a run, the way to ranks on other nodes without another launcher (torchrun, ssh): on the CPU they
+span a cluster's nodes already, on GPUs one node for now, as the allocation names every rank's GPU by rank 0's
+node's ids (docs/devices.md). Rank 0 stays the process
 Hydra started (its config, run dir and terminal), as with ``grpo.process.launch``'s processes, and each actor runs
 the follower loop a torchrun rank runs (``follow_run``), joining rank 0's process group at the address rank 0
 publishes (its node's IP as Ray knows it, a free port).
