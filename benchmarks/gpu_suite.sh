@@ -16,6 +16,9 @@
 #   train_ranks  the train part on 1 and 2 data-parallel ranks (FSDP2), 1.5B shape, FSDP2 settings (issue 30)
 #   ranks_15b the default job (grpo_gsm8k, 128 replies x 512 tokens) with both GPUs training and generating:
 #             2 FSDP2 ranks, one engine each, random-init Qwen2.5-1.5B shape (issue 30)
+#   cluster   needs 4 GPUs: the async script joining a Ray cluster of 2 nodes on this host (GPUs 0,1 | 2,3:
+#             scripts/local_ray_cluster.py), 2 trainer ranks and 2 rollout workers placed by Ray, 0.5B shape; which
+#             process held which GPU (nvidia-smi every 2 s); then the same on a local Ray for comparison (issue 30)
 # Usage: OUT=/some/dir PARTS="trl syncasync" bash benchmarks/gpu_suite.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_suite}
@@ -121,6 +124,29 @@ import json
 rows = [json.loads(l) for l in open('$OUT/ranks_15b/metrics.jsonl') if '\"step_time_s\"' in l]
 for r in rows: print('   ', {k: round(v, 2) for k, v in r.items() if k.endswith('_s') or 'memory' in k})" 2>&1 | tail -5
       rm -rf "$OUT/ranks_15b/checkpoints" ;;
+    cluster)
+      build qwen2.5-0.5b /tmp/q05
+      rm -f "$OUT/ray_address"
+      python3 scripts/local_ray_cluster.py --nodes 0,1 2,3 --address-file "$OUT/ray_address" > "$OUT/cluster_ray.log" 2>&1 &
+      cluster_pid=$!
+      for _ in $(seq 90); do [ -s "$OUT/ray_address" ] && break; sleep 1; done
+      (while sleep 2; do nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader; done) > "$OUT/cluster_apps.log" 2>&1 &
+      watch_pid=$!
+      (while sleep 2; do ps -eo pid=,args= | grep -E "ray::|grpo-async" | grep -v grep; done) > "$OUT/cluster_ps.log" 2>&1 &
+      ps_pid=$!
+      layout cluster grpo-async.py train_model.num_devices=2 inference_model.num_devices=2 train.num_collectors=2 \
+        "ray.address=$(cat "$OUT/ray_address")"
+      kill $watch_pid $ps_pid; kill $cluster_pid; wait $cluster_pid
+      nvidia-smi --query-gpu=index,uuid --format=csv,noheader > "$OUT/cluster_gpus.log"
+      python3 -c "
+gpu = dict(reversed(l.strip().split(', ')) for l in open('$OUT/cluster_gpus.log') if l.strip())
+names = {}
+for l in open('$OUT/cluster_ps.log'):
+    pid, _, args = l.strip().partition(' ')
+    names[pid] = 'rank 0 (driver)' if 'grpo-async' in args else args.split()[0]
+seen = sorted({(gpu.get(u.strip(), u), names.get(p.strip(), p)) for p, u in (l.split(',') for l in open('$OUT/cluster_apps.log') if ',' in l)})
+print('   processes on each GPU:', seen)"
+      layout local_ranks grpo-async.py train_model.num_devices=2 "inference_model.devices=[2,3]" train.num_collectors=2 ;;
     sharded)
       build qwen2.5-0.5b /tmp/q05
       timeout 200 python3 grpo/grpo.py --config-name grpo_tiny train.total_steps=3 model.name=/tmp/q05 \

@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
-from grpo.process.ray_placement import ray_followers, ray_session  # noqa: E402
+from grpo.process.ray_placement import driver_gpu, ray_followers, ray_session  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402
 from grpo.process.world import World  # noqa: E402
 from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
@@ -29,14 +29,17 @@ from grpo.tasks.data import PromptLedger  # noqa: E402
 
 def generation(cfg) -> dict:
     """Where the rollouts are generated, as ``check_start`` and ``start_run`` take it: by the Ray rollout workers,
-    one engine each, on GPUs of their own."""
-    return {"inference_engines": cfg.train.num_collectors, "dedicated_inference": True}
+    one engine each, on GPUs of their own; in a cluster (``ray.address``) Ray places them and the trainer ranks,
+    rank 0 on the GPU of its node that Ray holds for it."""
+    return {"inference_engines": cfg.train.num_collectors, "dedicated_inference": True,
+            "ray_gpu": driver_gpu if cfg.ray.address is not None else None}
 
 
 def train(cfg) -> Run:
-    run = start_run(cfg, **generation(cfg))
-    ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
-    with ray_session(cfg, run.devices):  # started here, or by the ranks' launcher (ray_followers), holding its actors
+    # Ray before the models: in a cluster it places rank 0's GPU too
+    with ray_session(cfg, check_start(cfg, **generation(cfg))):  # or the ranks' launcher's (ray_followers)
+        run = start_run(cfg, **generation(cfg))
+        ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
         run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
         pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,  # on resume: its weights
                            run.trainer.engine_weights(), run.trainer.policy_version)
@@ -45,7 +48,7 @@ def train(cfg) -> Run:
 
 if __name__ == "__main__":
     if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes; its other
-        # trainer ranks are Ray actors, placed by Ray beside the rollout workers (on GPUs one node: docs/devices.md)
+        # trainer ranks are Ray actors, placed by Ray beside the rollout workers, on a cluster's nodes too
         hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)), followers=ray_followers)
     else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

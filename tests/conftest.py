@@ -133,18 +133,27 @@ def reply_log_probs(model, batch) -> torch.Tensor:
     return lp
 
 
-@pytest.fixture
-def two_node_cluster(monkeypatch):
+@contextlib.contextmanager
+def ray_cluster_here(monkeypatch, head_gpus: str | None = None, node_gpus: str | None = None):
     """A Ray cluster of two nodes on this machine (Ray's own test cluster): a head that offers no CPU, where a driver
-    attaches, and a node of 2 CPUs, where every actor must then go. Its address. Ray points
-    /tmp/ray/ray_current_cluster at it (and leaves it there): restored after."""
+    attaches, and a node of 2 CPUs, where every actor must then go. ``head_gpus``/``node_gpus``: the node's GPUs as
+    its ``CUDA_VISIBLE_DEVICES`` (e.g. "5,6"), each declared to Ray, which assigns them on a CPU machine too. Its
+    address. Ray points /tmp/ray/ray_current_cluster at it (and leaves it there): restored after."""
     monkeypatch.setenv(MEMORY_MONITOR, "0")  # its raylets inherit it: no actor killed for the machine's memory
     current = Path("/tmp/ray/ray_current_cluster")
     before = current.read_text() if current.exists() else None
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+
+    def node(gpus: str | None, **options) -> dict:  # a raylet inherits this process's CUDA_VISIBLE_DEVICES
+        if gpus is None:
+            return options
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", gpus)
+        return options | {"num_gpus": len(gpus.split(","))}
+
+    cluster = Cluster(initialize_head=True, head_node_args=node(head_gpus, num_cpus=0, include_dashboard=False))
     try:
-        cluster.add_node(num_cpus=2)
+        cluster.add_node(**node(node_gpus, num_cpus=2))
         cluster.wait_for_nodes()
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
         yield cluster.address
     finally:
         cluster.shutdown()
@@ -152,3 +161,10 @@ def two_node_cluster(monkeypatch):
             current.unlink(missing_ok=True)
         else:
             current.write_text(before)
+
+
+@pytest.fixture
+def two_node_cluster(monkeypatch):
+    """``ray_cluster_here`` with no GPU."""
+    with ray_cluster_here(monkeypatch) as address:
+        yield address

@@ -1,6 +1,7 @@
 """Where Ray puts the async script's rollout workers on GPUs: each on the GPU Ray assigns it, named as the trainer
-names it, and a local Ray offering the inference GPUs alone. A CPU machine has no GPU, but Ray assigns GPUs it is
-told of all the same: these tests start Ray with the GPUs the script would declare and read back what it assigns."""
+names it, and a local Ray offering the inference GPUs alone; in a cluster, rank 0 on a GPU of its node that Ray
+holds for it. A CPU machine has no GPU, but Ray assigns GPUs it is told of all the same: these tests start Ray with
+the GPUs the script would declare and read back what it assigns."""
 
 import os
 import time
@@ -9,9 +10,12 @@ import pytest
 import ray
 from omegaconf import OmegaConf
 
-from grpo.process.devices import DeviceAllocation, allocate_devices
-from grpo.process.ray_placement import MEMORY_MONITOR, SAME_GPU_IDS, TRAINER_GPU, assigned_gpu, gpu_share, \
-    local_ray_resources, ray_session, worker_gpu
+from conftest import ray_cluster_here
+from grpo.process.allocation import DeviceAllocation
+from grpo.process.devices import allocate_devices
+from grpo.process.errors import DeviceAllocationError
+from grpo.process.ray_placement import MEMORY_MONITOR, SAME_GPU_IDS, TRAINER_GPU, assigned_gpu, driver_gpu, \
+    gpu_share, local_gpu, local_ray_resources, ray_session, worker_gpu
 from grpo.process.setup import ray_pythonpath
 
 
@@ -21,6 +25,9 @@ class GpuProbe:
 
     def gpu(self, pool) -> tuple[str, str | None]:
         return str(assigned_gpu(pool)), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 def four_gpu_layout(collectors: int):
@@ -120,3 +127,57 @@ def test_a_local_ray_is_the_run_s_own_even_beside_a_running_cluster(two_node_clu
                             "train": {"num_collectors": 1}})
     with ray_session(cfg, DeviceAllocation([], [], [], cpu=True)):
         assert len(ray.nodes()) == 1 and ray.cluster_resources()["CPU"] == 1  # the cluster: 2 nodes, 2 CPUs
+
+
+def in_a_cluster(address: str, trainer_ranks: int = 1):
+    """The async script's Ray session in a cluster (``ray.address``), one inference GPU, as rank 0 enters it."""
+    cfg = OmegaConf.create({"ray": {"address": address, "num_cpus": None, "kill_on_low_memory": False},
+                            "train": {"num_collectors": 1}, "train_model": {"num_devices": trainer_ranks},
+                            "ref_model": {"colocate": True}})
+    devices = allocate_devices(cfg, inference_engines=1, dedicated_inference=True, placed_by_ray=True, visible_gpus=2)
+    return ray_session(cfg, devices, trainer_actors=trainer_ranks - 1)
+
+
+def test_in_a_cluster_rank_0_trains_on_a_gpu_of_its_node_that_ray_holds_and_no_actor_gets(monkeypatch):
+    """Rank 0's node (the head, where this process runs) declares one GPU, its "5"; another node GPU "7". Rank 0 (no
+    actor: Ray gives it no GPU) trains on the one Ray holds for it here, which this process, seeing GPUs 4,5, names
+    cuda:1; an actor asking for a GPU then gets the other node's, which it names cuda:0 (it sees GPU 7 alone)."""
+    with ray_cluster_here(monkeypatch, head_gpus="5", node_gpus="7") as address, in_a_cluster(address):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+        assert driver_gpu() == 1
+        assert ray.available_resources().get("GPU") == 1  # held for the session
+        probe = GpuProbe.options(num_gpus=1, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
+                                 ).remote()
+        assert ray.get(probe.gpu.remote(None), timeout=120) == ("cuda:0", "7")
+        assert ray.get(probe.node.remote()) != ray.get_runtime_context().get_node_id()
+
+
+def test_in_a_cluster_rank_0_s_node_without_a_gpu_in_ray_is_one_line(monkeypatch):
+    with ray_cluster_here(monkeypatch, node_gpus="7,8") as address, in_a_cluster(address):
+        with pytest.raises(DeviceAllocationError, match=r"^Rank 0 trains in this process, on a GPU of its node that "
+                           r"Ray holds for it, but this node's Ray declares no GPU. Fix: run the script on a GPU node"):
+            driver_gpu()
+
+
+def test_a_cluster_with_fewer_gpus_than_the_run_needs_is_one_line(monkeypatch):
+    """2 trainer ranks and 1 inference GPU need 3 GPUs; the cluster declares 2 (an actor would wait forever)."""
+    with ray_cluster_here(monkeypatch, head_gpus="5", node_gpus="7") as address:
+        with pytest.raises(DeviceAllocationError, match=r"The Ray cluster at ray.address=\S+ declares 2 GPU\(s\) but "
+                           r"the run needs 3: 2 trainer rank\(s\) \(train_model.num_devices\) and 1 inference GPU"):
+            with in_a_cluster(address, trainer_ranks=2):
+                pass
+
+
+@pytest.mark.parametrize("ray_ids,own_visible,logical", [
+    (["5"], "4,5", 1),     # the node's raylet saw GPUs 5,6 (Ray names it "5"); this process sees 4,5
+    ([2], None, 2),        # nothing narrowed anywhere: Ray's index is torch's
+    (["GPU-a1"], "GPU-b2,GPU-a1", 1),
+])
+def test_local_gpu_names_the_gpu_ray_holds_as_this_process_does(ray_ids, own_visible, logical):
+    assert local_gpu(ray_ids, own_visible) == logical
+
+
+def test_a_gpu_ray_holds_that_this_process_cannot_see_is_one_line():
+    with pytest.raises(DeviceAllocationError, match=r"Ray holds GPU 6 of this node for rank 0, but this process does "
+                       r"not see it \(CUDA_VISIBLE_DEVICES=4,5\)"):
+        local_gpu(["6"], "4,5")

@@ -14,7 +14,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from grpo.process import errors
-from grpo.process.devices import DeviceAllocation, allocate_devices, trainer_ranks
+from grpo.process.allocation import DeviceAllocation
+from grpo.process.devices import allocate_devices, trainer_ranks
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.launch import agree_with_launcher
 from grpo.process.world import World
@@ -500,3 +501,47 @@ def test_sync_with_one_inference_gpu_generates_on_rank_0_alone():
 def test_sync_generating_ranks_that_cannot_work_are_one_line(overrides, visible, error):
     with pytest.raises(DeviceAllocationError, match=error):
         rank_engines(*overrides, "allow_cpu=true", "inference_model.colocate=true", visible=visible)
+
+
+def ray_cluster(*overrides: str, visible: int = 1) -> DeviceAllocation:
+    """The async script's allocation joining a Ray cluster (``ray.address``): Ray places ranks and workers."""
+    cfg = make_cfg("ref_model.colocate=true", *overrides)
+    return allocate_devices(cfg, inference_engines=cfg["train"]["num_collectors"], dedicated_inference=ASYNC,
+                            placed_by_ray=True, visible_gpus=visible)
+
+
+def test_in_a_ray_cluster_each_rank_trains_on_the_gpu_ray_gave_it_with_its_reference_beside():
+    """2 ranks and 2 workers on a cluster, one GPU visible where rank 0 runs (the rest is Ray's, on other nodes):
+    the allocation names no GPU until each process names the one Ray gave it; every rank then keeps its own."""
+    alloc = ray_cluster("train_model.num_devices=2", "inference_model.num_devices=2", "train.num_collectors=2")
+    assert alloc.placed_by_ray and len(alloc.inference) == 2
+    with pytest.raises(RuntimeError, match="Device index must not be negative"):
+        alloc.torch_device("train")  # no GPU to train on before Ray named one
+    rank_0, rank_1 = alloc.on_gpu(0), alloc.on_gpu(3)
+    assert (rank_0.train, rank_0.ref) == ([0], [0]) and (rank_1.train, rank_1.ref) == ([3], [3])
+    assert rank_1.for_rank(1, 2) is rank_1 and rank_1.current_gpu(1, 2) == 3
+    assert "2 rank(s), each on a GPU Ray gives it" in rank_0.describe()
+    assert ray_cluster("train.use_kl_to_ref=false").on_gpu(1).ref == []
+    with pytest.raises(ValueError, match="only a Ray cluster's allocation"):
+        allocate(make_cfg(), 1, SYNC).on_gpu(0)
+
+
+@pytest.mark.parametrize("overrides,error", [
+    (["train_model.devices=[0,1]"], r"train_model.devices=\[0,1\] names GPUs of this node, but in a Ray cluster "
+     r"\(ray.address\) Ray places every trainer rank and rollout worker on the GPUs its nodes declare. "
+     r"Fix: train_model.devices=null train_model.num_devices=2$"),
+    (["inference_model.devices=[1]"], r"Fix: inference_model.devices=null inference_model.num_devices=1$"),
+    (["ref_model.colocate=false"], r"each trainer rank holds its reference model on its own GPU, but ref_model asks "
+     r"for 1 GPU\(s\) of its own. Fix: ref_model.num_devices=null ref_model.colocate=true$"),
+    (["ref_model.num_devices=1", "train_model.num_devices=2"], r"asks for 1 GPU\(s\) of its own"),
+    (["inference_model.num_devices=2"], r"inference_model has 2 GPUs but train.num_collectors=1 starts 1 generation "
+     r"engine\(s\), one GPU each: 1 would idle \(a Ray cluster; 1 GPU\(s\) visible here\)"),
+])
+def test_a_ray_cluster_layout_that_names_gpus_or_a_reference_apart_is_one_line(overrides, error):
+    with pytest.raises(DeviceAllocationError, match=error):
+        ray_cluster(*overrides)
+
+
+def test_a_ray_cluster_on_the_cpu_is_the_cpu_allocation():
+    """No GPU where rank 0 runs, allow_cpu: gloo ranks and workers on the cluster's CPUs, as before."""
+    assert ray_cluster("allow_cpu=true", "train_model.num_devices=2", visible=0).cpu

@@ -92,21 +92,23 @@ class Run:
             self.records.save_checkpoint(self.step, self.trainer, counters, extras(), rng=rng)
 
 
-def check_start(cfg, *, inference_engines: int, dedicated_inference: bool) -> DeviceAllocation:
+def check_start(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu=None) -> DeviceAllocation:
     """The config and device checks, which read no data, load no model and need no other rank: rank 0 runs them
-    before it starts any (``trainer_world``), so a bad value fails as fast on N ranks as on one (grpo_tiny on CPU, 2
-    ranks: 21 s while the followers started and joined first, 9 s now, as one rank's 10 s); ``start_run`` runs them
-    again for its devices (under torchrun, with ``train_model.num_devices`` torchrun's count by then)."""
+    before it starts any (``trainer_world``: a bad value of grpo_tiny on 2 CPU ranks fails in 9 s, not 21 s), and
+    ``start_run`` again (under torchrun, with ``train_model.num_devices`` torchrun's count by then)."""
     resolve_local_paths(cfg)
     validate_config(cfg)
-    return allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)
+    return allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference,
+                            placed_by_ray=ray_gpu is not None)
 
 
-def start_run(cfg, *, inference_engines: int, dedicated_inference: bool) -> Run:
-    """``dedicated_inference``: generation GPUs belong to rollout workers elsewhere, so this process's
-    own engine (used for eval only) sits on the training GPU; otherwise it generates the rollouts."""
+def start_run(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu=None) -> Run:
+    """``dedicated_inference``: rollout workers elsewhere generate, and this process's engine (eval only) sits on the
+    training GPU. ``ray_gpu``: a Ray cluster places the ranks, rank 0 on this GPU (``ray_placement.driver_gpu``)."""
     task_config = OmegaConf.to_yaml(cfg)  # as Hydra composed it: the run dir's .hydra/config.yaml
-    devices = check_start(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference)
+    devices = check_start(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference,
+                          ray_gpu=ray_gpu)
+    devices = devices.on_gpu(ray_gpu()) if devices.placed_by_ray else devices
     splits = load_splits(cfg)  # bad data, and reward functions that cannot take its rows, stop here
     warn_if_too_few_rows(cfg, len(splits[cfg.env.train_split]))
     print(devices.describe(), flush=True)
@@ -215,11 +217,12 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
     return trainer
 
 
-def follow_run() -> int:
+def follow_run(own_gpu: int | None = None) -> int:
     """A data-parallel rank other than 0 (rank 0 started it, or torchrun): no config, run dir or output of its own,
     and an engine only where every rank generates (sync, ``DeviceAllocation.generating_ranks``); it ends with rank 0,
     however that ends (``exit_with_leader``). It builds the trainer rank 0 built, from the config rank 0 checked and
-    sends, then runs each collective rank 0 leads (``Trainer.follow``); returns the exit status rank 0 ends with."""
+    sends, then runs each collective rank 0 leads (``Trainer.follow``) on ``own_gpu`` where a Ray cluster placed it;
+    returns the exit status rank 0 ends with."""
     exit_with_leader()
     set_list_to_stack(True).set()
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # torchrun forwards them, and a terminal's Ctrl-C reaches every rank
@@ -229,6 +232,7 @@ def follow_run() -> int:
     if command == "stop":  # rank 0 ended before it trained: a bad config or data set, say
         return args[0]
     cfg, devices = args
+    devices = devices.on_gpu(own_gpu) if devices.placed_by_ray else devices
     tokenizer = load_tokenizer(cfg.model.name)
     trainer = make_trainer(cfg, tokenizer, devices, world)
     if devices.generating_ranks == 1:

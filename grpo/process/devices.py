@@ -21,82 +21,21 @@ of every prompt batch, whole prompts, so a batch's prompts must split evenly ove
 Each train GPU is one data-parallel trainer rank (``grpo.process.launch`` starts them), holding an FSDP2 shard
 of the policy and one whole reference, so the reference never has more GPUs than training. With no GPU and
 ``allow_cpu=true``, ``train_model.num_devices=N`` is N gloo ranks on the CPU; the other keys are checked only.
+
+In a Ray cluster (the async script with ``ray.address``) Ray places every process that holds a GPU, on any node:
+the allocation then names no GPU of its own (``placed_by_ray``). It checks the counts, and each rank's
+allocation names the GPU Ray gave that rank (``on_gpu``), its reference beside it.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 
+from grpo.process.allocation import RAY_ASSIGNED, DeviceAllocation, ids_text
 from grpo.process.errors import DeviceAllocationError
-
-ROLES = ("train", "ref", "inference")
-
-
-@dataclass
-class DeviceAllocation:
-    """Logical GPU ids per model; ``cpu=True`` (and empty lists) when the run uses no GPU."""
-
-    train: list[int]
-    ref: list[int]
-    inference: list[int]
-    cpu: bool = False
-    colocated: bool = False  # train and inference share a GPU
-    num_visible: int = 0
-    gpu_memory_utilization: float | None = None
-    notes: dict[str, str] = field(default_factory=dict)
-    generating_ranks: int = 1  # sync: how many trainer ranks generate, each on its own engine (1: rank 0 alone)
-
-    def torch_device(self, role: str) -> torch.device:
-        """The first GPU of ``role`` ("train", "ref" or "inference"), or the CPU when it has none."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
-        ids = getattr(self, role)
-        return torch.device("cuda", ids[0]) if ids else torch.device("cpu")
-
-    def for_rank(self, rank: int, size: int) -> DeviceAllocation:
-        """What data-parallel rank ``rank`` of ``size`` trains on: its own train GPU, and one whole reference, beside
-        it where the reference shares the train GPUs, else on reference GPU ``rank % len(ref)``; where every rank
-        generates, its own inference GPU, the ``rank``-th. The CPU: this allocation (every rank a gloo process on
-        the CPU)."""
-        if self.cpu:
-            return self
-        if len(self.train) != size:
-            raise DeviceAllocationError(f"{size} trainer rank(s) started but train_model has {len(self.train)} GPU(s) "
-                                        f"{_ids(self.train)}: each rank trains on one. "
-                                        f"Fix: train_model.num_devices={size}")
-        own = [self.train[rank]]
-        ref = own if self.ref == self.train else self.ref[rank % len(self.ref):][:1]
-        inference = self.inference[rank:][:1] if self.generating_ranks > 1 else self.inference
-        return replace(self, train=own, ref=ref, inference=inference)
-
-    def current_gpu(self, rank: int, size: int) -> int | None:
-        """The GPU rank ``rank`` of ``size`` makes its current device, however it was launched (``LOCAL_RANK`` has
-        no say): its own train GPU (``for_rank``), where FSDP2 puts its shards and NCCL sends from; None on the CPU."""
-        return None if self.cpu else self.for_rank(rank, size).train[0]
-
-    def torch_devices(self, role: str) -> list[torch.device]:
-        """Every GPU of ``role``, or ``[cpu]`` when it has none."""
-        return [torch.device("cuda", i) for i in getattr(self, role)] or [self.torch_device(role)]
-
-    def describe(self) -> str:
-        cuda_visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        head = f"Devices ({self.num_visible} GPU(s) visible"
-        head += f", CUDA_VISIBLE_DEVICES={cuda_visible})" if cuda_visible else ")"
-        if self.cpu:
-            return f"{head}\n  every model on the CPU (allow_cpu=true)"
-        lines = [head]
-        for role in ROLES:
-            gpus = ",".join(map(str, getattr(self, role))) or "-"
-            lines.append(f"  {role:<9}  gpu {gpus:<8}  {self.notes.get(role, '')}".rstrip())
-        return "\n".join(lines)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
 class _Request:
@@ -111,11 +50,7 @@ class _Request:
 
     def fewer(self, n: int) -> str:
         """The override that asks for ``n`` of these GPUs: the first ``n`` of its ``devices``, or ``num_devices``."""
-        return f"{self.key}.devices={_ids(self.devices[:n])}" if self.devices else f"{self.key}.num_devices={n}"
-
-
-def _ids(ids) -> str:
-    return "[" + ",".join(map(str, ids)) + "]"
+        return f"{self.key}.devices={ids_text(self.devices[:n])}" if self.devices else f"{self.key}.num_devices={n}"
 
 
 def _flag(section: Mapping, name: str, default: bool) -> bool:
@@ -145,8 +80,8 @@ def _request(cfg: Mapping, key: str) -> _Request:
                                         f"Fix: {key}.devices=null")
         req.devices = list(devices)
         if len(set(req.devices)) < len(req.devices):
-            raise DeviceAllocationError(f"{key}.devices={_ids(req.devices)} names a GPU twice. "
-                                        f"Fix: {key}.devices={_ids(dict.fromkeys(req.devices))}")
+            raise DeviceAllocationError(f"{key}.devices={ids_text(req.devices)} names a GPU twice. "
+                                        f"Fix: {key}.devices={ids_text(dict.fromkeys(req.devices))}")
     return req
 
 
@@ -166,10 +101,11 @@ def _visible(visible_gpus: int | list[int] | None) -> list[int]:
     return ids
 
 
-def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inference: bool,
+def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inference: bool, placed_by_ray: bool = False,
                      visible_gpus: int | list[int] | None = None) -> DeviceAllocation:
     """GPU ids for each model; ``visible_gpus=None`` counts the GPUs torch sees. ``inference_engines``: the most
-    engines the script can start (async: its collectors; sync: one per trainer rank)."""
+    engines the script can start (async: its collectors; sync: one per trainer rank). ``placed_by_ray``: a Ray
+    cluster places every rank and worker (``ray_placed``)."""
     if isinstance(inference_engines, bool) or not isinstance(inference_engines, int) or inference_engines < 1:
         raise ValueError(f"inference_engines must be an int >= 1, got {inference_engines!r}")
     visible = _visible(visible_gpus)
@@ -191,6 +127,8 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
                                         "Fix: allow_cpu=true (tiny models only) or run on a GPU machine")
         return DeviceAllocation([], [], [], cpu=True, gpu_memory_utilization=gmu, notes=notes,
                                 generating_ranks=generating)
+    if placed_by_ray:
+        return ray_placed(train, inf, ref if use_ref else None, inference_engines, gmu, notes, n)
     if dedicated_inference and n < 2:
         raise DeviceAllocationError(f"The async script keeps training and inference on separate GPUs but {vis}. "
                                     f"Fix: run the sync script (it shares one GPU) or make 2 GPUs visible")
@@ -201,9 +139,9 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
         bad = [i for i in req.devices or [] if i not in visible]
         if bad:
             good = [i for i in req.devices if i in visible]
-            fix = f"{req.key}.devices={_ids(good)} or " if good else ""
-            raise DeviceAllocationError(f"{req.key}.devices={_ids(req.devices)} names GPU(s) {_ids(bad)} but {vis} "
-                                        f"(ids {_ids(visible)}). Fix: {fix}{req.key}.devices=null")
+            fix = f"{req.key}.devices={ids_text(good)} or " if good else ""
+            raise DeviceAllocationError(f"{req.key}.devices={ids_text(req.devices)} names GPU(s) {ids_text(bad)} but "
+                                        f"{vis} (ids {ids_text(visible)}). Fix: {fix}{req.key}.devices=null")
 
     # Unclaimed GPUs each model takes: none for inference on the train GPUs, nor for a ref that
     # may fall back to them. On one GPU (sync) every model shares it, so nothing is claimed.
@@ -213,12 +151,8 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
     need = {"train_model": 0 if train.devices else train.count,
             "inference_model": 0 if inf.devices or inf_shares else inf.count,
             "ref_model": 0 if not use_ref or ref.devices or ref_on_train else ref.count}
-    if dedicated_inference and inf.count > inference_engines:
-        k, e = inf.count, inference_engines
-        fix = inf.fewer(e)
-        fix += f" or train.num_collectors={k}" if sum(need.values()) <= len(pool) else ""
-        raise DeviceAllocationError(f"inference_model has {k} GPUs but train.num_collectors={e} starts {e} generation "
-                                    f"engine(s), one GPU each: {k - e} would idle ({vis}). Fix: {fix}")
+    if dedicated_inference:
+        _check_engines(inf, inference_engines, vis, fits=sum(need.values()) <= len(pool))
     if n > 1:
         has_spare = len(pool) > sum(need.values())  # an unclaimed GPU nobody needs
         _check_sharing(train, inf, ref, vis, has_spare, dedicated_inference, inf_shares, ref.colocate)
@@ -260,6 +194,41 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
                             gpu_memory_utilization=gmu, notes=notes, generating_ranks=generating)
 
 
+def _check_engines(inf: _Request, engines: int, vis: str, fits: bool) -> None:
+    """Async: no more inference GPUs than rollout workers, one engine each (``fits``: the GPUs would hold as many
+    workers as GPUs)."""
+    if inf.count > engines:
+        k, e = inf.count, engines
+        fix = inf.fewer(e) + (f" or train.num_collectors={k}" if fits else "")
+        raise DeviceAllocationError(f"inference_model has {k} GPUs but train.num_collectors={e} starts {e} generation "
+                                    f"engine(s), one GPU each: {k - e} would idle ({vis}). Fix: {fix}")
+
+
+def ray_placed(train: _Request, inf: _Request, ref: _Request | None, engines: int, gmu, notes: dict,
+               visible: int) -> DeviceAllocation:
+    """A Ray cluster's allocation (async, ``ray.address``): Ray gives each trainer rank a GPU on any node (rank 0
+    one of the node it runs on: ``grpo.process.ray_placement.driver_gpu``) and each rollout worker its share of an
+    inference GPU, so no config names a GPU id, and each rank holds its reference beside its policy
+    (``ray_placement.check_cluster_gpus`` checks the cluster has the GPUs). ``ref``: None without a reference."""
+    for req in (train, inf, ref or _Request("ref_model")):
+        if req.devices:
+            raise DeviceAllocationError(f"{req.key}.devices={ids_text(req.devices)} names GPUs of this node, but in a "
+                                        f"Ray cluster (ray.address) Ray places every trainer rank and rollout worker "
+                                        f"on the GPUs its nodes declare. Fix: {req.key}.devices=null "
+                                        f"{req.key}.num_devices={len(req.devices)}")
+    if ref is not None and (ref.num not in (None, train.count) or not ref.colocate):
+        raise DeviceAllocationError(f"In a Ray cluster (ray.address) each trainer rank holds its reference model on "
+                                    f"its own GPU, but ref_model asks for {ref.num or 1} GPU(s) of its own. "
+                                    f"Fix: ref_model.num_devices=null ref_model.colocate=true")
+    _check_engines(inf, engines, f"a Ray cluster; {visible} GPU(s) visible here", fits=True)
+    notes |= {"train": f"{train.count} rank(s), each on a GPU Ray gives it (rank 0: one of this node's)",
+              "inference": f"{inf.count} GPU(s) Ray gives the {engines} rollout worker(s); "
+                           f"gpu_memory_utilization={gmu}"}
+    notes.setdefault("ref", "beside each rank's policy, on its GPU")
+    return DeviceAllocation([RAY_ASSIGNED], [RAY_ASSIGNED] if ref is not None else [], list(range(inf.count)),
+                            num_visible=visible, gpu_memory_utilization=gmu, notes=notes, placed_by_ray=True)
+
+
 def _generating_ranks(cfg: Mapping, train: _Request, inf: _Request, engines: int, vis: str) -> int:
     """Sync: 1 (rank 0 generates) or, with one inference GPU per trainer rank, every rank, each its share of every
     prompt batch by whole prompts. More inference GPUs than ranks is ``allocate_devices``' idle-GPU error."""
@@ -295,21 +264,23 @@ def _check_sharing(train: _Request, inf: _Request, ref: _Request, vis: str, has_
         for req in (inf, train):
             keep = [g for g in req.devices if g not in t & i]
             if keep:
-                fixes.append(f"{req.key}.devices={_ids(keep)}")
+                fixes.append(f"{req.key}.devices={ids_text(keep)}")
         if has_spare or not fixes:
             fixes.append("inference_model.devices=null")
         why = "the async script never shares them" if dedicated else "sharing needs inference_model.colocate=true"
-        raise DeviceAllocationError(f"train_model.devices={_ids(train.devices)} and inference_model.devices="
-                                    f"{_ids(inf.devices)} share GPU(s) {_ids(sorted(t & i))}: {why} ({vis}). "
+        raise DeviceAllocationError(f"train_model.devices={ids_text(train.devices)} and inference_model.devices="
+                                    f"{ids_text(inf.devices)} share GPU(s) {ids_text(sorted(t & i))}: {why} ({vis}). "
                                     f"Fix: " + " or ".join(fixes))
     if t & r and not ref_shares:
         fix = "ref_model.colocate=true or " if not r & (i - t) else ""
-        raise DeviceAllocationError(f"ref_model.devices={_ids(ref.devices)} shares GPU(s) {_ids(sorted(t & r))} with "
-                                    f"train_model without ref_model.colocate=true ({vis}). "
+        raise DeviceAllocationError(f"ref_model.devices={ids_text(ref.devices)} shares GPU(s) "
+                                    f"{ids_text(sorted(t & r))} with train_model without ref_model.colocate=true "
+                                    f"({vis}). "
                                     f"Fix: {fix}ref_model.devices=null")
     if r & i and not (r & i <= t and inf_shares and ref_shares):
-        raise DeviceAllocationError(f"ref_model.devices={_ids(ref.devices)} shares GPU(s) {_ids(sorted(r & i))} with "
-                                    f"inference_model; ref may only share the train GPUs ({vis}). "
+        raise DeviceAllocationError(f"ref_model.devices={ids_text(ref.devices)} shares GPU(s) "
+                                    f"{ids_text(sorted(r & i))} with inference_model; ref may only share the train "
+                                    f"GPUs ({vis}). "
                                     f"Fix: ref_model.devices=null")
 
 
@@ -332,6 +303,6 @@ def _check_enough(train: _Request, inf: _Request, ref: _Request, need: dict[str,
         fixes = [" ".join(f"{r.key}.num_devices=null" if r.num else f"{r.key}.devices=null"
                           for r in (train, inf, ref) if r.num or r.devices)]
     asks = ", ".join(f"{key} needs {k}" for key, k in need.items() if k)
-    claimed = ", ".join(f"{r.key}.devices={_ids(r.devices)}" for r in (train, inf, ref) if r.devices)
+    claimed = ", ".join(f"{r.key}.devices={ids_text(r.devices)}" for r in (train, inf, ref) if r.devices)
     raise DeviceAllocationError(f"Not enough GPUs: {asks}, but only {len(pool)} are unclaimed ({vis}"
                                 + (f"; claimed: {claimed}" if claimed else "") + "). Fix: " + " or ".join(fixes))

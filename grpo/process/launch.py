@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 
 from grpo.process.devices import trainer_ranks
@@ -50,13 +49,6 @@ def trainer_world(cfg, script: str, check, followers=None):
             yield world
         return
     ranks = trainer_ranks(cfg) or 1
-    visible = torch.cuda.device_count()
-    if visible and ranks > visible:  # a follower could not even select its GPU: say so before starting any
-        ids = cfg.train_model.get("devices")
-        setting, fix = (f"train_model.devices={list(ids)}", "train_model.devices=null") if ids is not None else \
-            (f"train_model.num_devices={ranks}", f"train_model.num_devices={visible}")
-        raise DeviceAllocationError(f"{setting} asks for {ranks} trainer ranks, one GPU each, but {visible} GPU(s) "
-                                    f"visible. Fix: {fix}")
     devices = check(cfg)
     followers = followers or process_followers
     started = followers(cfg, devices, script, ranks) if ranks > 1 else contextlib.nullcontext(World())

@@ -2,11 +2,9 @@
 and each rollout worker on the GPU Ray assigns it.
 
 The async script already needs Ray for its rollout workers; with its trainer ranks as Ray actors too, Ray places
-every process of a run, the way to ranks on other nodes without another launcher (torchrun, ssh): on the CPU they
-span a cluster's nodes already, on GPUs one node for now, as the allocation names every rank's GPU by rank 0's
-node's ids (docs/devices.md). Rank 0 stays the process
-Hydra started (its config, run dir and terminal), as with ``grpo.process.launch``'s processes, and each actor runs
-the follower loop a torchrun rank runs (``follow_run``), joining rank 0's process group at the address rank 0
+every process of a run, the way to ranks on other nodes without another launcher (torchrun, ssh). Rank 0 stays the
+process Hydra started (its config, run dir and terminal), as with ``grpo.process.launch``'s processes, and each
+actor runs the follower loop a torchrun rank runs (``follow_run``), joining rank 0's process group at the address rank 0
 publishes (its node's IP as Ray knows it, a free port).
 Ray ends an actor when the driver that owns it dies, however it dies, so no rank outlives rank 0.
 
@@ -15,7 +13,9 @@ generates on the GPU Ray assigns it, under the id the allocation gives that GPU 
 script starts holds the inference GPUs alone as its GPUs (``local_ray_resources``): Ray cannot assign a worker a
 GPU that trains. Its trainer ranks then take a resource of their own per train GPU, not one of Ray's GPUs, whose
 ids Ray hands out in no documented order (a rank given an inference GPU's slot would leave a worker the train
-GPU's). Joining a cluster (``ray.address``), the ranks and workers take the GPUs its nodes declare.
+GPU's). Joining a cluster (``ray.address``), Ray places every GPU process of the run on the GPUs its nodes declare
+(``DeviceAllocation.placed_by_ray``): each rank trains on the GPU Ray assigns its actor, and rank 0, which is no
+actor, on a GPU of its own node that an actor holds for it (``driver_gpu``), so no actor is given that GPU too.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import traceback
 import ray
 import torch
 import torch.distributed as dist
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from grpo.process.devices import DeviceAllocation
-from grpo.process.errors import ConfigError
+from grpo.process.allocation import DeviceAllocation
+from grpo.process.errors import ConfigError, DeviceAllocationError
 from grpo.process.launch import REAP_GRACE_S, ended_if_one_ends_first
 from grpo.process.setup import ray_pythonpath
 from grpo.process.world import World, join_group
@@ -41,6 +42,8 @@ from grpo.process.world import World, join_group
 SAME_GPU_IDS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 MEMORY_MONITOR = "RAY_memory_monitor_refresh_ms"  # 0: a local Ray kills no actor for the node's memory use
 TRAINER_GPU = "grpo_trainer_gpu"  # a local Ray's resource for each train GPU of ranks 1..N-1 (its GPUs: inference's)
+LEASE_WAIT_S = 120  # how long rank 0 waits for a GPU of its node to come free in a cluster's Ray
+_driver_lease = None  # the actor holding rank 0's GPU in a cluster, for the Ray session's life (``driver_gpu``)
 
 
 @contextlib.contextmanager
@@ -64,8 +67,12 @@ def ray_session(cfg, devices: DeviceAllocation, trainer_actors: int = 0):
     try:
         if cfg.ray.address is None:
             check_room(ray.cluster_resources(), trainer_actors, cfg.train.num_collectors, not devices.cpu)
+        elif devices.placed_by_ray:
+            check_cluster_gpus(ray.cluster_resources(), trainer_actors + 1, len(devices.inference), cfg.ray.address)
         yield
     finally:
+        global _driver_lease
+        _driver_lease = None
         ray.shutdown()
 
 
@@ -108,6 +115,67 @@ def assigned_gpu(pool: list[int] | None) -> torch.device:
     return torch.device("cuda", worker_gpu(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), pool))
 
 
+def check_cluster_gpus(resources: dict, ranks: int, inference_gpus: int, address: str) -> None:
+    """A cluster with fewer GPUs than the run's ranks and inference GPUs would leave an actor waiting for one forever
+    (another job's GPUs it waits for, as Ray does)."""
+    declared = resources.get("GPU", 0)
+    if declared < ranks + inference_gpus:
+        raise DeviceAllocationError(f"The Ray cluster at ray.address={address} declares {declared:g} GPU(s) but the "
+                                    f"run needs {ranks + inference_gpus}: {ranks} trainer rank(s) "
+                                    f"(train_model.num_devices) and {inference_gpus} inference GPU(s) "
+                                    f"(inference_model.num_devices), one GPU each. Fix: fewer of either, or add GPU "
+                                    f"nodes to the cluster (ray start --address=... on each)")
+
+
+@ray.remote(num_cpus=0)
+class GpuLease:
+    """Holds a GPU of rank 0's node for rank 0 while its Ray session lasts: rank 0 trains in the driver process, which
+    Ray gives no GPU, so without it Ray would hand that GPU to a rank or worker too."""
+
+    def gpu(self) -> list:
+        """Ray's name for the GPU held (``local_gpu``)."""
+        return ray.get_gpu_ids()
+
+
+def driver_gpu() -> int:
+    """In a cluster, the GPU of its node that rank 0 trains on (``placed_by_ray``), as this process numbers it: one
+    of the GPUs Ray knows on this node, held for the session by a ``GpuLease`` actor placed here."""
+    global _driver_lease
+    node = ray.get_runtime_context().get_node_id()
+    declared = next(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node)
+    if declared < 1:
+        raise DeviceAllocationError("Rank 0 trains in this process, on a GPU of its node that Ray holds for it, but "
+                                    "this node's Ray declares no GPU. Fix: run the script on a GPU node of the "
+                                    "cluster, whose Ray was started with its GPUs (ray start --num-gpus=N)")
+    lease = GpuLease.options(num_gpus=1, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}).remote()
+    held = lease.gpu.remote()
+    if not ray.wait([held], timeout=LEASE_WAIT_S)[0]:
+        ray.kill(lease)
+        raise DeviceAllocationError(f"Rank 0 trains on a GPU of its node, but none of this node's {declared:g} GPU(s) "
+                                    f"in Ray came free within {LEASE_WAIT_S} s (other jobs hold them). Fix: free "
+                                    "one, or run the script on another GPU node of the cluster")
+    _driver_lease = lease  # the session's: it ends with it
+    return local_gpu(ray.get(held), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def local_gpu(ray_gpu_ids: list, own_visible: str | None) -> int:
+    """The logical id, in a process whose ``CUDA_VISIBLE_DEVICES`` is ``own_visible``, of the one GPU Ray names
+    ``ray_gpu_ids`` on this node: Ray names a GPU by its entry in the raylet's ``CUDA_VISIBLE_DEVICES``, or by its
+    index where that is unset, so the same device whoever narrows their view."""
+    if len(ray_gpu_ids) != 1:
+        raise RuntimeError(f"rank 0's GPU lease was given GPUs {ray_gpu_ids}: it asks for one")
+    name = str(ray_gpu_ids[0])
+    if own_visible is None and name.isdigit():
+        return int(name)
+    ids = (own_visible or "").split(",")
+    if name not in ids:
+        raise DeviceAllocationError(f"Ray holds GPU {name} of this node for rank 0, but this process does not see it "
+                                    f"(CUDA_VISIBLE_DEVICES={own_visible}). Fix: run the script with the "
+                                    "CUDA_VISIBLE_DEVICES this node's Ray was started with (or none)")
+    return ids.index(name)
+
+
 def check_room(resources: dict, trainer_actors: int, workers: int, gpus: bool) -> None:
     """A local Ray too small for the run's actors would leave one waiting for a CPU forever, and the run with it."""
     cpus = workers + (0 if gpus else trainer_actors)  # each worker takes a CPU; a trainer rank its GPU, or a CPU
@@ -122,15 +190,16 @@ def check_room(resources: dict, trainer_actors: int, workers: int, gpus: bool) -
 class TrainerRank:
     """A trainer rank other than 0, as a Ray actor: ``follow`` runs the follower loop until rank 0 leads the stop."""
 
-    def follow(self, env: dict) -> int:
-        """``follow_run`` under torchrun's variables (``env``); returns rank 0's exit status. A crash ends this
+    def follow(self, env: dict, placed_by_ray: bool) -> int:
+        """``follow_run`` under torchrun's variables (``env``), in a cluster (``placed_by_ray``) on the GPU Ray assigned
+        this actor; returns rank 0's exit status. A crash ends this
         process, as it ends a follower process: its connections close, and rank 0's next collective fails at once
         (a Ray actor would otherwise live on, holding them open, and rank 0 would wait out gloo's timeout)."""
         from grpo.loop.run import follow_run
 
         os.environ.update(env)
         try:
-            status = follow_run()
+            status = follow_run(own_gpu=assigned_gpu(None).index if placed_by_ray else None)
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
@@ -146,7 +215,8 @@ class TrainerRank:
 def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int):
     """Ranks 1..size-1 of a world this process hosts as rank 0, as ``TrainerRank`` actors (``script`` is the
     process launcher's: an actor runs ``follow_run`` itself). On GPUs each asks Ray for one
-    (``trainer_rank_resources``) and trains on the allocation's GPU for its rank (``DeviceAllocation.for_rank``); on
+    (``trainer_rank_resources``) and trains on the allocation's GPU for its rank (``DeviceAllocation.for_rank``), or
+    in a cluster on the one Ray assigned it (``DeviceAllocation.on_gpu``); on
     the CPU it asks for one CPU. At the end the actors get ``REAP_GRACE_S`` to end their loop (and leave the group),
     at once if the group was never joined, then are killed, and rank 0 leaves the group last."""
     with ray_session(cfg, devices, trainer_actors=size - 1):
@@ -158,7 +228,8 @@ def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int):
         options = {"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
         resources = trainer_rank_resources(cfg, devices)
         ranks = [TrainerRank.options(**resources, runtime_env=options).remote() for _ in range(1, size)]
-        loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}) for r, rank in enumerate(ranks, 1)]
+        loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}, devices.placed_by_ray)
+                 for r, rank in enumerate(ranks, 1)]
         joined = failed = False
         try:
             def first_ended() -> str | None:  # waits up to 0.2 s for one
