@@ -16,7 +16,7 @@
 #   train_ranks  the train part on 1 and 2 data-parallel ranks (FSDP2), 1.5B shape, FSDP2 settings (issue 30)
 #   ranks_15b the default job (grpo_gsm8k, 128 replies x 512 tokens) with both GPUs training and generating:
 #             2 FSDP2 ranks, one engine each, random-init Qwen2.5-1.5B shape (issue 30)
-#   cluster   needs 4 GPUs: the async script joining a Ray cluster of 2 nodes on this host (GPUs 0,1 | 2,3:
+#   cluster   needs 4 GPUs: the async script joining a Ray cluster of 2 nodes on this host (GPUs 0 | 1,2,3:
 #             scripts/local_ray_cluster.py), 2 trainer ranks and 2 rollout workers placed by Ray, 0.5B shape; which
 #             process held which GPU (nvidia-smi every 2 s); then the same on a local Ray for comparison (issue 30)
 # Usage: OUT=/some/dir PARTS="trl syncasync" bash benchmarks/gpu_suite.sh
@@ -49,7 +49,7 @@ job() {
 # one layout, 3 steps of the 0.5B shape with 64 new tokens: layout NAME SCRIPT [overrides]
 layout() {
   local name=$1 script=$2; shift 2
-  timeout 150 python3 "grpo/$script" --config-name grpo_tiny train.total_steps=3 model.name=/tmp/q05 eval.frequency=0 \
+  timeout "${LAYOUT_TIMEOUT:-150}" python3 "grpo/$script" --config-name grpo_tiny train.total_steps=3 model.name=/tmp/q05 eval.frequency=0 \
     eval.num_problems=16 eval.max_new_tokens=16 logging.progress_bar=false logger=none allow_cpu=false \
     train_model.dtype=bfloat16 ref_model.dtype=bfloat16 inference_model.dtype=bfloat16 inference_model.compile=true \
     inference_model.max_new_tokens=64 train.optim_batch_size=16 "hydra.run.dir=$OUT/layout_$name" "$@" \
@@ -127,15 +127,18 @@ for r in rows: print('   ', {k: round(v, 2) for k, v in r.items() if k.endswith(
     cluster)
       build qwen2.5-0.5b /tmp/q05
       rm -f "$OUT/ray_address"
-      python3 scripts/local_ray_cluster.py --nodes 0,1 2,3 --address-file "$OUT/ray_address" > "$OUT/cluster_ray.log" 2>&1 &
+      python3 scripts/local_ray_cluster.py --nodes 0 1,2,3 --address-file "$OUT/ray_address" > "$OUT/cluster_ray.log" 2>&1 &
       cluster_pid=$!
       for _ in $(seq 90); do [ -s "$OUT/ray_address" ] && break; sleep 1; done
       (while sleep 2; do nvidia-smi --query-compute-apps=pid,gpu_uuid --format=csv,noheader; done) > "$OUT/cluster_apps.log" 2>&1 &
       watch_pid=$!
       (while sleep 2; do ps -eo pid=,args= | grep -E "ray::|grpo-async" | grep -v grep; done) > "$OUT/cluster_ps.log" 2>&1 &
       ps_pid=$!
-      layout cluster grpo-async.py train_model.num_devices=2 inference_model.num_devices=2 train.num_collectors=2 \
-        "ray.address=$(cat "$OUT/ray_address")"
+      began=$(date +%s)
+      LAYOUT_TIMEOUT=300 layout cluster grpo-async.py train_model.num_devices=2 inference_model.num_devices=2 \
+        train.num_collectors=2 "ray.address=$(cat "$OUT/ray_address")"
+      echo "   run $(( $(stat -c %Y "$OUT/layout_cluster/metrics.png") - began )) s to its summary, then $(( $(date +%s) - \
+        $(stat -c %Y "$OUT/layout_cluster/metrics.png") )) s to exit"
       kill $watch_pid $ps_pid; kill $cluster_pid; wait $cluster_pid
       nvidia-smi --query-gpu=index,uuid --format=csv,noheader > "$OUT/cluster_gpus.log"
       python3 -c "

@@ -32,6 +32,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", nargs="+", required=True, help="each node's GPUs, e.g. 0,1 2,3 (the first: the head)")
     p.add_argument("--cpus", type=int, default=4, help="CPUs each node declares")
+    p.add_argument("--object-store-gb", type=float, default=8, help="each node's object store (Ray's test default, "
+                   "300 MB, spilled a 0.5B model's weight pushes to disk)")
     p.add_argument("--address-file", required=True, help="written with the cluster's address once every node is up")
     return p.parse_args(argv)
 
@@ -46,7 +48,8 @@ def main(argv=None) -> None:
     try:
         for index, gpus in enumerate(args.nodes):
             os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # the raylet, and every actor it starts, inherits it
-            options = {"num_cpus": args.cpus, "num_gpus": len(gpus.split(",")), "include_dashboard": False}
+            options = {"num_cpus": args.cpus, "num_gpus": len(gpus.split(",")), "include_dashboard": False,
+                       "object_store_memory": int(args.object_store_gb * 2**30)}
             if index == 0:
                 cluster = Cluster(initialize_head=True, head_node_args=options)
             else:

@@ -140,23 +140,27 @@ def in_a_cluster(address: str, trainer_ranks: int = 1):
 
 def test_in_a_cluster_rank_0_trains_on_a_gpu_of_its_node_that_ray_holds_and_no_actor_gets(monkeypatch):
     """Rank 0's node (the head, where this process runs) declares one GPU, its "5"; another node GPU "7". Rank 0 (no
-    actor: Ray gives it no GPU) trains on the one Ray holds for it here, which this process, seeing GPUs 4,5, names
-    cuda:1; an actor asking for a GPU then gets the other node's, which it names cuda:0 (it sees GPU 7 alone)."""
-    with ray_cluster_here(monkeypatch, head_gpus="5", node_gpus="7") as address, in_a_cluster(address):
+    actor: Ray gives it no GPU) trains on the one Ray holds for it here from the session's start, which this process,
+    seeing GPUs 4,5, names cuda:1; an actor asking for a GPU, even one started before rank 0 asks which GPU it has
+    (as the other ranks are), gets the other node's, which it names cuda:0 (it sees GPU 7 alone). On 4 H200s, the
+    lease taken at that later point found the head's one GPU taken by rank 1's actor."""
+    with ray_cluster_here(monkeypatch, head_gpus="5", node_gpus="7") as address:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-        assert driver_gpu() == 1
-        assert ray.available_resources().get("GPU") == 1  # held for the session
-        probe = GpuProbe.options(num_gpus=1, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
-                                 ).remote()
-        assert ray.get(probe.gpu.remote(None), timeout=120) == ("cuda:0", "7")
-        assert ray.get(probe.node.remote()) != ray.get_runtime_context().get_node_id()
+        with in_a_cluster(address):
+            assert ray.available_resources().get("GPU") == 1  # one held for rank 0 from the start
+            probe = GpuProbe.options(num_cpus=0, num_gpus=1,  # it could run on the head
+                                     runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}).remote()
+            assert ray.get(probe.gpu.remote(None), timeout=120) == ("cuda:0", "7")
+            assert ray.get(probe.node.remote()) != ray.get_runtime_context().get_node_id()
+            assert driver_gpu() == 1
 
 
 def test_in_a_cluster_rank_0_s_node_without_a_gpu_in_ray_is_one_line(monkeypatch):
-    with ray_cluster_here(monkeypatch, node_gpus="7,8") as address, in_a_cluster(address):
+    with ray_cluster_here(monkeypatch, node_gpus="7,8") as address:
         with pytest.raises(DeviceAllocationError, match=r"^Rank 0 trains in this process, on a GPU of its node that "
                            r"Ray holds for it, but this node's Ray declares no GPU. Fix: run the script on a GPU node"):
-            driver_gpu()
+            with in_a_cluster(address):
+                pass
 
 
 def test_a_cluster_with_fewer_gpus_than_the_run_needs_is_one_line(monkeypatch):

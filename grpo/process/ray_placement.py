@@ -43,7 +43,7 @@ SAME_GPU_IDS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 MEMORY_MONITOR = "RAY_memory_monitor_refresh_ms"  # 0: a local Ray kills no actor for the node's memory use
 TRAINER_GPU = "grpo_trainer_gpu"  # a local Ray's resource for each train GPU of ranks 1..N-1 (its GPUs: inference's)
 LEASE_WAIT_S = 120  # how long rank 0 waits for a GPU of its node to come free in a cluster's Ray
-_driver_lease = None  # the actor holding rank 0's GPU in a cluster, for the Ray session's life (``driver_gpu``)
+_driver_lease = None  # in a cluster: (the actor holding rank 0's GPU, its id here), for the Ray session's life
 
 
 @contextlib.contextmanager
@@ -69,6 +69,7 @@ def ray_session(cfg, devices: DeviceAllocation, trainer_actors: int = 0):
             check_room(ray.cluster_resources(), trainer_actors, cfg.train.num_collectors, not devices.cpu)
         elif devices.placed_by_ray:
             check_cluster_gpus(ray.cluster_resources(), trainer_actors + 1, len(devices.inference), cfg.ray.address)
+            hold_driver_gpu()  # before any actor starts: one could take this node's last GPU
         yield
     finally:
         global _driver_lease
@@ -138,8 +139,13 @@ class GpuLease:
 
 
 def driver_gpu() -> int:
-    """In a cluster, the GPU of its node that rank 0 trains on (``placed_by_ray``), as this process numbers it: one
-    of the GPUs Ray knows on this node, held for the session by a ``GpuLease`` actor placed here."""
+    """In a cluster, the GPU of its node that rank 0 trains on (``placed_by_ray``), as this process numbers it."""
+    return _driver_lease[1]
+
+
+def hold_driver_gpu() -> None:
+    """One of the GPUs Ray knows on this node, held for the session by a ``GpuLease`` actor placed here, for rank 0
+    (``driver_gpu``)."""
     global _driver_lease
     node = ray.get_runtime_context().get_node_id()
     declared = next(n["Resources"].get("GPU", 0) for n in ray.nodes() if n["NodeID"] == node)
@@ -155,8 +161,7 @@ def driver_gpu() -> int:
         raise DeviceAllocationError(f"Rank 0 trains on a GPU of its node, but none of this node's {declared:g} GPU(s) "
                                     f"in Ray came free within {LEASE_WAIT_S} s (other jobs hold them). Fix: free "
                                     "one, or run the script on another GPU node of the cluster")
-    _driver_lease = lease  # the session's: it ends with it
-    return local_gpu(ray.get(held), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    _driver_lease = lease, local_gpu(ray.get(held), os.environ.get("CUDA_VISIBLE_DEVICES"))  # ends with the session
 
 
 def local_gpu(ray_gpu_ids: list, own_visible: str | None) -> int:
