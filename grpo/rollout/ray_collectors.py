@@ -56,6 +56,7 @@ class RolloutWorker:
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
+        self._own_gpu_current()
         configure_attention_kernels(cfg)
         tokenizer = load_tokenizer(cfg.model.name)
         # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
@@ -73,6 +74,7 @@ class RolloutWorker:
     def set_weights(self, weights, version: int, checksum: int) -> None:
         """New weights (``grpo.inference.weight_transfer``), applied before the next batch; returns once they are
         this worker's own copy, while a batch may be generating."""
+        self._own_gpu_current()
         weights = receive(weights, self.device)
         with self._lock:
             self._pending = (weights, version, checksum)
@@ -83,6 +85,7 @@ class RolloutWorker:
         ``Replies``, not the collector's tensordict: pickling that for Ray held the trainer up (replies.py)."""
         stats = dict.fromkeys(GENERATION_STATS, 0.0) | {"pushes_verified": 0, "pushes_mismatched": 0}
         stats["idle_s"] = time.perf_counter() - self._idle_since
+        self._own_gpu_current()
         self._apply_pending_weights(stats)
         serve_from(self.env, self.collector, batch_index)
         batch = Replies.from_collector(next(self.batches))
@@ -91,6 +94,13 @@ class RolloutWorker:
         stats["tokens"] = int(batch.reply_lengths.sum())
         self._idle_since = time.perf_counter()
         return batch, self.inference.version, stats
+
+    def _own_gpu_current(self) -> None:
+        """This worker's GPU made the calling thread's current one (each concurrency group runs in a thread of its
+        own): work that names no device opens a CUDA context on the current one, cuda:0 by default, another
+        process's GPU (4xH200, a cluster: each worker held a context on rank 1's GPU as well as its own)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def _apply_pending_weights(self, stats: dict) -> None:
         with self._lock:
