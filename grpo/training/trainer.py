@@ -114,9 +114,12 @@ class Trainer:
 
 
 def make_optimizer(cfg, model) -> torch.optim.Optimizer:
+    """AdamW, fused on a GPU: one kernel over every weight, 16.7 ms a step at the 1.5B shape on an H100 against
+    41.8 ms for torch's default there, foreach (``benchmarks/bench_optimizer.py``); the CPU keeps foreach."""
     o = cfg.optimizer
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr,
-                             weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                             fused=params[0].is_cuda or None)
 
 
 def make_scheduler(cfg, optimizer, total_optim_steps: int):
