@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import REPO, SHORT_RUN
+from grpo.process.devices import allocate_devices
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.launch import agree_with_launcher, trainer_world
 from grpo.process.world import World
@@ -160,11 +161,14 @@ def test_a_follower_that_dies_before_joining_ends_rank_0(tmp_path):
 
 
 def test_more_ranks_than_gpus_is_an_error_before_any_starts(monkeypatch):
+    """The device check, which rank 0 runs before it starts any rank (a follower on no GPU would fail later)."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    cfg = OmegaConf.create({"train_model": {"num_devices": 3, "devices": None}})
-    with pytest.raises(DeviceAllocationError, match=r"train_model.num_devices=3 asks for 3 trainer ranks, one GPU each, "
-                                                    r"but 2 GPU\(s\) visible. Fix: train_model.num_devices=2"):
-        with trainer_world(cfg, script="never started", check=lambda cfg: None):
+    cfg = OmegaConf.create({"train_model": {"num_devices": 3, "devices": None}, "ref_model": {"colocate": True},
+                            "inference_model": {"colocate": True}})
+    with pytest.raises(DeviceAllocationError, match=r"^Not enough GPUs: train_model needs 3, but only 2 are unclaimed "
+                                                    r"\(2 GPU\(s\) visible\). Fix: train_model.num_devices=2$"):
+        with trainer_world(cfg, script="never started",
+                           check=lambda cfg: allocate_devices(cfg, inference_engines=3, dedicated_inference=False)):
             pass
 
 
