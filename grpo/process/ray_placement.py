@@ -196,10 +196,10 @@ class TrainerRank:
     """A trainer rank other than 0, as a Ray actor: ``follow`` runs the follower loop until rank 0 leads the stop."""
 
     def follow(self, env: dict, placed_by_ray: bool) -> int:
-        """``follow_run`` under torchrun's variables (``env``), in a cluster (``placed_by_ray``) on the GPU Ray assigned
-        this actor; returns rank 0's exit status. A crash ends this
-        process, as it ends a follower process: its connections close, and rank 0's next collective fails at once
-        (a Ray actor would otherwise live on, holding them open, and rank 0 would wait out gloo's timeout)."""
+        """``follow_run`` under torchrun's variables (``env``), in a cluster (``placed_by_ray``) on the GPU Ray
+        assigned this actor; returns rank 0's exit status. A crash ends this process, as it ends a follower process:
+        its connections close, and rank 0's next collective fails at once (a Ray actor would otherwise live on,
+        holding them open, and rank 0 would wait out gloo's timeout)."""
         from grpo.loop.run import follow_run
 
         os.environ.update(env)
