@@ -76,11 +76,10 @@ class DeviceAllocation:
         head += f", CUDA_VISIBLE_DEVICES={cuda_visible})" if cuda_visible else ")"
         if self.cpu:
             return f"{head}\n  every model on the CPU (allow_cpu=true)"
-        lines = [head]
-        if self.placed_by_ray:
-            own = "-" if self.train == [RAY_ASSIGNED] else self.train[0]
-            return "\n".join([head, f"  train      gpu {own:<8}  {self.notes['train']}",
+        if self.placed_by_ray:  # described once ``on_gpu`` named this process's GPU
+            return "\n".join([head, f"  train      gpu {self.train[0]:<8}  {self.notes['train']}",
                               f"  ref        {self.notes['ref']}", f"  inference  {self.notes['inference']}"])
+        lines = [head]
         for role in ROLES:
             gpus = ",".join(map(str, getattr(self, role))) or "-"
             lines.append(f"  {role:<9}  gpu {gpus:<8}  {self.notes.get(role, '')}".rstrip())

@@ -115,7 +115,7 @@ class Trainer:
 
 def make_optimizer(cfg, model) -> torch.optim.Optimizer:
     """AdamW, fused on a GPU: one kernel over every weight, 16.7 ms a step at the 1.5B shape on an H100 against
-    41.8 ms for torch's default there, foreach (``benchmarks/bench_optimizer.py``); the CPU keeps foreach."""
+    41.8 ms for torch's default there, foreach (``benchmarks/bench_optimizer.py``); the CPU keeps torch's default."""
     o = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
