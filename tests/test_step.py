@@ -1,6 +1,7 @@
 """The GRPO step (grpo.training.step): the loss and the group advantage against hand computations and against
 TorchRL's own GRPOLoss and MCAdvantage, on small real batches collected by TorchRL's collector."""
 
+import copy
 import dataclasses
 import math
 
@@ -384,26 +385,35 @@ def test_truncated_is_scores_the_trainer_log_probs_in_prepare(setup):
 
 def test_compiled_loss_matches_eager_in_value_and_gradient(setup):
     """train_model.compile=true runs the same maths: loss, metrics and gradients match the eager
-    objective, on micro-batches of two different widths (one dynamic-shape graph serves both)."""
+    objective, on micro-batches of two different widths. The decoder layers share one compiled graph
+    (dynamic shapes serve both widths), and a pass without grad keeps the eager forward."""
     cfg, _, model, _, batch = setup
     batch = batch.clone()
     batch["advantage"] = torch.linspace(-1.0, 1.0, batch.shape[0])
     settings = GRPOSettings.from_config(cfg)
-    step = make_step(cfg, model, compile=True)
-    compiled = step.forward
-    assert compiled is not step.policy
-    for part in (trim_padding(batch[:4]), trim_padding(batch[4:])):
+    compiled_model = copy.deepcopy(model)
+    step = make_step(cfg, compiled_model, compile=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    first = trim_padding(batch[:4])
+    for part in (first, trim_padding(batch[4:])):
         results = []
-        for forward in (step.policy, compiled):
-            model.zero_grad(set_to_none=True)
-            out = grpo_terms(forward, part, settings)
+        for m in (model, compiled_model):
+            m.zero_grad(set_to_none=True)
+            out = grpo_terms(ReplyLogProbs(m) if m is model else step.policy, part, settings)
             weighted_loss(out, settings).backward()
-            results.append((out, [p.grad.clone() for p in model.parameters()]))
+            results.append((out, [p.grad.clone() for p in m.parameters()]))
+        compiled_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+        assert compiled_graphs == 1 or part is not first  # one graph for the 3 layers
         (out_e, grads_e), (out_c, grads_c) = results
         for key in ("objective", "entropy", "clip_fraction", "ess", "kl_approx"):
             torch.testing.assert_close(out_c[key], out_e[key], atol=1e-5, rtol=1e-4)
         for g_c, g_e in zip(grads_c, grads_e):
             torch.testing.assert_close(g_c, g_e, atol=1e-5, rtol=1e-3)
+    assert compiled_graphs <= 2  # the other width adds none (a micro-batch without padding has no mask: one more)
+    with torch.no_grad():
+        step.policy(batch["input_ids"][:2], batch["attention_mask"][:2], batch["reply_mask"].shape[1],
+                    with_entropy=False, entropy_grad=False)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == compiled_graphs  # eager without grad
     model.zero_grad(set_to_none=True)
 
 
