@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo.process.world import World
 from grpo.training.batch import micro_batches
+from grpo.training.models import compile_decoder_layers, compiled_with_grad
 
 
 class ReplyLogProbs(torch.nn.Module):
@@ -22,10 +23,18 @@ class ReplyLogProbs(torch.nn.Module):
     def __init__(self, model, temperature: float = 1.0):
         super().__init__()
         self.model, self.temperature = model, temperature
+        self.head_log_probs = head_log_probs
+
+    def compile_for_training(self) -> None:
+        """``train_model.compile``: the decoder layers (one graph for all) and the LM head's log-probs (the
+        float32 logits, their logsumexp and gather fused), compiled for the passes that build a graph."""
+        compile_decoder_layers(self.model)
+        self.head_log_probs = compiled_with_grad(head_log_probs)
 
     def forward(self, input_ids, attention_mask, width_r: int, *, with_entropy: bool, entropy_grad: bool):
         token_lp, entropy = token_log_probs(self.model, input_ids, attention_mask, width_r, with_entropy=with_entropy,
-                                            entropy_grad=entropy_grad, temperature=self.temperature)
+                                            entropy_grad=entropy_grad, temperature=self.temperature,
+                                            head_fn=self.head_log_probs)
         # not views: FSDP2 hooks the root's outputs for backward, and a view would lose the hook on any in-place op
         return token_lp.clone(), entropy if entropy is None else entropy.clone()
 
@@ -53,7 +62,7 @@ LOGIT_CHUNK_BYTES = 2**28
 
 
 def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width_r: int, *,
-                    with_entropy: bool, entropy_grad: bool, temperature: float = 1.0,
+                    with_entropy: bool, entropy_grad: bool, temperature: float = 1.0, head_fn=None,
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[S, R]`` log pi(reply token | everything before it), and its entropy if asked, where pi is
     softmax(logits / ``temperature``).
@@ -62,7 +71,7 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     needed. The head runs over chunks of positions, each under activation checkpointing, so at most
     ``LOGIT_CHUNK_BYTES`` of logits are alive at once, forward or backward; the values are those of
     one full-width pass. ``entropy_grad=False`` keeps the full-vocabulary entropy out of the autograd
-    graph (then it is only logged).
+    graph (then it is only logged). ``head_fn`` computes one chunk's (``head_log_probs``, or it compiled).
     """
     # positions count real tokens only, as in generation from left-padded prompts
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
@@ -72,6 +81,7 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     head = model.get_output_embeddings()
     targets = input_ids[:, input_ids.shape[1] - width_r:]
     entropy_grad = entropy_grad and torch.is_grad_enabled()
+    head_fn = head_fn or head_log_probs
     positions = max(1, LOGIT_CHUNK_BYTES // (4 * head.weight.shape[0]))
     flat_hidden, flat_targets = hidden.flatten(0, 1), targets.flatten()
     # one chunk, or no backward: nothing to save, so no recompute
@@ -80,14 +90,14 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     for start in range(0, flat_targets.shape[0], positions):
         args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], temperature,
                 with_entropy, entropy_grad)
-        chunks.append(checkpoint(_head_log_probs, *args, use_reentrant=False) if recompute else _head_log_probs(*args))
+        chunks.append(checkpoint(head_fn, *args, use_reentrant=False) if recompute else head_fn(*args))
     token_lp = torch.cat([lp for lp, _ in chunks]).view_as(targets)
     if not with_entropy:
         return token_lp, None
     return token_lp, torch.cat([ent for _, ent in chunks]).view_as(targets)
 
 
-def _head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
+def head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
     """Log-probs of ``targets`` (and the entropy) from one chunk of hidden states."""
     logits = head(hidden).float()
     if temperature != 1.0:
