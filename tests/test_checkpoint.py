@@ -1,6 +1,8 @@
 """Checkpoints restore the same state: resumed runs equal straight ones, kills lose nothing."""
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import random
@@ -17,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
-from conftest import compose
+from conftest import compose, compose_in_run_dir, sync_script
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.errors import ResumeError
 from grpo.training import checkpoint
@@ -48,6 +50,13 @@ def run(run_dir, *overrides):
     return proc
 
 
+def train_here(run_dir, *overrides):
+    """``run``'s run, trained in this process (grpo/grpo.py's train): for the uninterrupted runs the resumed ones are
+    compared with, whose launch is not under test (the runs they are compared with are new processes)."""
+    with sync_script() as script, contextlib.redirect_stdout(io.StringIO()):
+        script.train(compose_in_run_dir(run_dir, [*SMALL, *overrides]))
+
+
 def step_rows(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "reward" in r}
@@ -60,7 +69,7 @@ def final_weights(run_dir):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
-    run(run_dir, "train.total_steps=4", CONSTANT_LR)
+    train_here(run_dir, "train.total_steps=4", CONSTANT_LR)
     return run_dir
 
 
@@ -81,7 +90,7 @@ def test_half_then_resume_equals_straight_run(straight, tmp_path):
 def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path):
     """A step may draw several collections; the resumed run must start after the last one drawn."""
     dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", CONSTANT_LR, "train.total_steps=4"]
-    run(tmp_path / "straight", *dynamic)
+    train_here(tmp_path / "straight", *dynamic)
     run(tmp_path / "half", *dynamic[:-1], "train.total_steps=2")
     run(tmp_path / "again", *dynamic, f"resume={tmp_path / 'half'}")
     a, b = step_rows(tmp_path / "straight"), step_rows(tmp_path / "half")
