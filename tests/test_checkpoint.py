@@ -124,23 +124,38 @@ def test_sigkill_then_resume_has_no_gap_or_duplicate(straight, tmp_path):
     assert len(flat) == len(set(flat))
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
-def test_sigterm_checkpoints_at_step_boundary_and_resumes(tmp_path, stop):
-    proc = subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=50"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def stop_after_a_step(proc, run_dir, stop, after: int = 0) -> dict:
+    """Send ``stop`` once ``run_dir`` holds a step past ``after``; the run must finish that step, checkpoint it and
+    exit with 128 + the signal. The checkpoint."""
     deadline = time.time() + 400
-    while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and step_rows(tmp_path)):
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and max(step_rows(run_dir), default=0)
+                                          > after):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.2)
     proc.send_signal(stop)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + stop, stderr[-3000:]
     assert f"{stop.name}: finishing this step, then checkpointing" in stderr
-    saved = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])
-    assert saved["step"] == max(step_rows(tmp_path)) < 50
+    saved = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
+    assert saved["step"] == max(step_rows(run_dir)) < 50
+    return saved
+
+
+def test_sigterm_then_sighup_checkpoint_at_step_boundary_and_resume(tmp_path):
+    """SIGTERM, then SIGHUP (the terminal or ssh session closed) to the run resumed from its checkpoint: each stop
+    finishes the step, checkpoints it and exits with 128 + the signal, and the next resume goes on from it. (One
+    chain where each signal had a run and a resume of its own.)"""
+    popen = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    by_sigterm = stop_after_a_step(subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=50"), **popen), tmp_path,
+                                   signal.SIGTERM)
+    by_sighup = stop_after_a_step(subprocess.Popen(grpo_cmd(tmp_path / "again", "train.total_steps=50",
+                                                            f"resume={tmp_path}"), **popen),
+                                  tmp_path, signal.SIGHUP, after=by_sigterm["step"])
+    assert by_sighup["step"] > by_sigterm["step"]
     # one step more than the stopped run made: its cosine schedule changes, which resume refuses unless told
-    run(tmp_path / "again", f"train.total_steps={saved['step'] + 1}", "resume_allow_changes=true", f"resume={tmp_path}")
-    assert max(step_rows(tmp_path)) == saved["step"] + 1
+    run(tmp_path / "again2", f"train.total_steps={by_sighup['step'] + 1}", "resume_allow_changes=true",
+        f"resume={tmp_path}")
+    assert max(step_rows(tmp_path)) == by_sighup["step"] + 1
 
 
 def _trained(seed=0):
