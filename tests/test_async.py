@@ -27,7 +27,7 @@ SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_probl
          "logging.progress_bar=false"]
 # One worker that never falls behind far enough to be dropped: every batch is trained, in stream order.
 EXACT = ["train.max_policy_lag=100"]
-STEPS = 6
+STEPS = 12  # room for a stop, a resume killed before the end and a second resume (steps take ~0.3 s)
 
 
 def command(run_dir, *overrides):
@@ -187,61 +187,74 @@ def finish(proc, timeout=240) -> str:
             proc.kill()
 
 
-def test_sigkill_then_resume_trains_the_same_prompt_stream(straight, tmp_path):
-    """It used to restart the stream: 16 of 64 prompt slots trained twice, 16 prompts never."""
-    proc = start(tmp_path, *EXACT, f"train.total_steps={STEPS}", "train.checkpoint_frequency=1", after_steps=2)
-    time.sleep(random.Random(os.getpid()).uniform(0, 1.5))  # land anywhere inside a step
-    tree = [proc.pid, *descendants(proc.pid)]
-    for pid in tree:  # the machine going away: trainer, Ray and workers at once
-        os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    proc = run_async(tmp_path / "again", *EXACT, f"train.total_steps={STEPS}", "train.checkpoint_frequency=1",
-                     f"resume={tmp_path}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert prompt_sequence(tmp_path) == straight
-
-
-def test_sigterm_finishes_the_step_checkpoints_stops_the_workers_and_resumes_exactly(straight, tmp_path):
-    """ray.init replaced the SIGTERM handler: the run aborted with SIGABRT and no checkpoint."""
+def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt_stream(straight, tmp_path):
+    """Three runs, one prompt stream: SIGTERM finishes the step, checkpoints and stops the workers (ray.init replaced
+    the SIGTERM handler: the run aborted with SIGABRT and no checkpoint); its resume, checkpointing every step, is
+    killed -9 inside a step, trainer, Ray and workers at once (a resume used to restart the stream: 16 of 64 prompt
+    slots trained twice, 16 prompts never); the second resume ends the run. Together they train exactly the
+    uninterrupted run's prompt batches. (One chain where two tests each started a run and resumed it.)"""
     proc = start(tmp_path, *EXACT, "train.total_steps=1000")
     workers = worker_pids(proc)
     assert workers, "no rollout worker process of this run found"
     proc.send_signal(signal.SIGTERM)
     stderr = finish(proc, timeout=180)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert last_checkpoint(tmp_path)["step"] == step_rows(tmp_path)[-1]["step"] < STEPS
+    stopped = last_checkpoint(tmp_path)["step"]
+    assert stopped == step_rows(tmp_path)[-1]["step"] < STEPS - 2
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
     # a shorter run than the one stopped: its cosine schedule changes, which resume refuses unless told
-    proc = run_async(tmp_path / "again", *EXACT, f"train.total_steps={STEPS}", "resume_allow_changes=true",
-                     f"resume={tmp_path}")
+    resumed = [*EXACT, f"train.total_steps={STEPS}", "train.checkpoint_frequency=1", "resume_allow_changes=true",
+               f"resume={tmp_path}"]
+    proc = subprocess.Popen(command(tmp_path / "again", *resumed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for_steps(proc, tmp_path, stopped + 1)  # the resumed run's rows go to the run it continues
+    except BaseException:
+        proc.kill()
+        raise
+    time.sleep(random.Random(os.getpid()).uniform(0, 0.5))  # land anywhere inside a step
+    tree = [proc.pid, *descendants(proc.pid)]
+    for pid in tree:  # the machine going away: trainer, Ray and workers at once
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    assert stopped < step_rows(tmp_path)[-1]["step"] < STEPS, "the kill must land in the resumed run, before its end"
+    proc = run_async(tmp_path / "again2", *resumed)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert prompt_sequence(tmp_path) == straight
 
 
-def test_killed_worker_is_replaced_and_the_run_trains_every_batch_once(straight, tmp_path):
-    """A killed worker used to end the run with a 40-line traceback and no checkpoint."""
-    proc = start(tmp_path, *EXACT, f"train.total_steps={STEPS}")
-    for pid in worker_pids(proc):
+def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoints_and_says_so(tmp_path):
+    """A killed worker used to end the run with a 40-line traceback and no checkpoint: it is restarted, its batches
+    generated again, first, and the run trains on, every batch once. Killed again with its one restart
+    (train.max_worker_restarts=1) spent, the run writes the emergency checkpoint and says so in one line. (One run
+    where two tests each started one: the replaced worker is the one killed the second time.)"""
+    proc = start(tmp_path, *EXACT, "train.total_steps=1000", "train.max_worker_restarts=1")
+    first = worker_pids(proc)
+    assert first, "no rollout worker process of this run found"
+    for pid in first:
         os.kill(pid, signal.SIGKILL)
-    stderr = finish(proc)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "rollout worker 0 failed" in stderr and "restart 1 of 3" in stderr
-    assert prompt_sequence(tmp_path) == straight  # its batches were generated again, first
+    try:
+        wait_for_steps(proc, tmp_path, len(step_rows(tmp_path)) + 2)  # trained on, past the killed worker's batches
+        replaced = worker_pids(proc)
+        assert replaced and not set(replaced) & set(first), (first, replaced)
+    except BaseException:
+        proc.kill()
+        raise
     assert step_rows(tmp_path)[-1]["worker_restarts"] == 1
-
-
-def test_when_restarts_run_out_the_run_checkpoints_and_says_so_in_one_line(tmp_path):
-    proc = start(tmp_path, *EXACT, "train.total_steps=1000", "train.max_worker_restarts=0")
-    for pid in worker_pids(proc):
+    for pid in replaced:
         os.kill(pid, signal.SIGKILL)
     stderr = finish(proc)
     assert proc.returncode == 2, stderr[-3000:]
+    assert "rollout worker 0 failed" in stderr and "restart 1 of 1" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("error: rollout worker 0 failed (") and "train.max_worker_restarts=0" in last, last
+    assert last.startswith("error: rollout worker 0 failed (") and "train.max_worker_restarts=1" in last, last
     saved, trained = last_checkpoint(tmp_path), len(step_rows(tmp_path))
     assert f"emergency checkpoint of step {trained}" in stderr and f"resume={tmp_path}" in stderr
     assert saved["step"] == trained
+    # every batch trained once, in stream order, around the restart: the uninterrupted run's batches so far
+    stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
+    assert prompt_sequence(tmp_path) == [sorted(set(stream.batch(k, 4))) for k in range(trained)]
     # consumed = every batch handed out minus the pending ones: exactly the trained steps' batches
     state = saved["prompt_stream"]
     assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(trained))

@@ -1,6 +1,8 @@
 """Checkpoints restore the same state: resumed runs equal straight ones, kills lose nothing."""
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import random
@@ -17,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
-from conftest import compose
+from conftest import compose, compose_in_run_dir, sync_script
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.errors import ResumeError
 from grpo.training import checkpoint
@@ -48,6 +50,13 @@ def run(run_dir, *overrides):
     return proc
 
 
+def train_here(run_dir, *overrides):
+    """``run``'s run, trained in this process (grpo/grpo.py's train): for the uninterrupted runs the resumed ones are
+    compared with, whose launch is not under test (the runs they are compared with are new processes)."""
+    with sync_script() as script, contextlib.redirect_stdout(io.StringIO()):
+        script.train(compose_in_run_dir(run_dir, [*SMALL, *overrides]))
+
+
 def step_rows(run_dir):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "reward" in r}
@@ -60,7 +69,7 @@ def final_weights(run_dir):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("straight")
-    run(run_dir, "train.total_steps=4", CONSTANT_LR)
+    train_here(run_dir, "train.total_steps=4", CONSTANT_LR)
     return run_dir
 
 
@@ -81,7 +90,7 @@ def test_half_then_resume_equals_straight_run(straight, tmp_path):
 def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path):
     """A step may draw several collections; the resumed run must start after the last one drawn."""
     dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", CONSTANT_LR, "train.total_steps=4"]
-    run(tmp_path / "straight", *dynamic)
+    train_here(tmp_path / "straight", *dynamic)
     run(tmp_path / "half", *dynamic[:-1], "train.total_steps=2")
     run(tmp_path / "again", *dynamic, f"resume={tmp_path / 'half'}")
     a, b = step_rows(tmp_path / "straight"), step_rows(tmp_path / "half")
@@ -115,23 +124,38 @@ def test_sigkill_then_resume_has_no_gap_or_duplicate(straight, tmp_path):
     assert len(flat) == len(set(flat))
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: the terminal or ssh session closed
-def test_sigterm_checkpoints_at_step_boundary_and_resumes(tmp_path, stop):
-    proc = subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=50"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+def stop_after_a_step(proc, run_dir, stop, after: int = 0) -> dict:
+    """Send ``stop`` once ``run_dir`` holds a step past ``after``; the run must finish that step, checkpoint it and
+    exit with 128 + the signal. The checkpoint."""
     deadline = time.time() + 400
-    while time.time() < deadline and not ((tmp_path / "metrics.jsonl").exists() and step_rows(tmp_path)):
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").exists() and max(step_rows(run_dir), default=0)
+                                          > after):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.2)
     proc.send_signal(stop)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 128 + stop, stderr[-3000:]
     assert f"{stop.name}: finishing this step, then checkpointing" in stderr
-    saved = load_checkpoint(list_checkpoints(tmp_path / "checkpoints")[-1])
-    assert saved["step"] == max(step_rows(tmp_path)) < 50
+    saved = load_checkpoint(list_checkpoints(run_dir / "checkpoints")[-1])
+    assert saved["step"] == max(step_rows(run_dir)) < 50
+    return saved
+
+
+def test_sigterm_then_sighup_checkpoint_at_step_boundary_and_resume(tmp_path):
+    """SIGTERM, then SIGHUP (the terminal or ssh session closed) to the run resumed from its checkpoint: each stop
+    finishes the step, checkpoints it and exits with 128 + the signal, and the next resume goes on from it. (One
+    chain where each signal had a run and a resume of its own.)"""
+    popen = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    by_sigterm = stop_after_a_step(subprocess.Popen(grpo_cmd(tmp_path, "train.total_steps=50"), **popen), tmp_path,
+                                   signal.SIGTERM)
+    by_sighup = stop_after_a_step(subprocess.Popen(grpo_cmd(tmp_path / "again", "train.total_steps=50",
+                                                            f"resume={tmp_path}"), **popen),
+                                  tmp_path, signal.SIGHUP, after=by_sigterm["step"])
+    assert by_sighup["step"] > by_sigterm["step"]
     # one step more than the stopped run made: its cosine schedule changes, which resume refuses unless told
-    run(tmp_path / "again", f"train.total_steps={saved['step'] + 1}", "resume_allow_changes=true", f"resume={tmp_path}")
-    assert max(step_rows(tmp_path)) == saved["step"] + 1
+    run(tmp_path / "again2", f"train.total_steps={by_sighup['step'] + 1}", "resume_allow_changes=true",
+        f"resume={tmp_path}")
+    assert max(step_rows(tmp_path)) == by_sighup["step"] + 1
 
 
 def _trained(seed=0):

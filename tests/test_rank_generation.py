@@ -13,7 +13,8 @@ from grpo.process.setup import resolve_local_paths
 from grpo.tasks.data import PromptStream, data_primer
 from grpo.tasks.envs import make_env
 from grpo.training.models import load_tokenizer
-from test_ranks import STEPS, all_gone, assert_same_weights, command, kill_after_step_2_checkpoint, run, trained
+from test_ranks import STEPS, all_gone, assert_same_weights, command, kill_after_step_2_checkpoint, run, trained, \
+    trained_here
 
 EVERY_RANK_GENERATES = ["inference_model.num_devices=2"]
 
@@ -23,7 +24,7 @@ def runs(tmp_path_factory):
     """4 steps from seed 0, checkpointed at step 2: one rank, and two ranks each generating its share (the ranks
     started by rank 0 itself): (steps' metrics, exported weights, run dir) each."""
     one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two_generating")
-    return {1: (*trained(one, STEPS, ranks=1), one),
+    return {1: (*trained_here(one, STEPS), one),  # in-process: the reference, not under test
             2: (*trained(two, [*STEPS, *EVERY_RANK_GENERATES], ranks=2, torchrun=False), two)}
 
 

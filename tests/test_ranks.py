@@ -3,6 +3,7 @@
 never stopped; stop together on a user error; and rank 0's followers end when it is killed."""
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -19,7 +20,7 @@ import yaml
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import REPO, SHORT_RUN
+from conftest import REPO, SHORT_RUN, compose_in_run_dir, sync_script
 from grpo.process.devices import allocate_devices
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.launch import agree_with_launcher, trainer_world
@@ -89,11 +90,21 @@ def trained(run_dir, overrides, ranks: int, torchrun: bool = True, script: str =
     return {r["step"]: r for r in rows if "reward" in r}, load_file(run_dir / "export" / "model.safetensors")
 
 
+def trained_here(run_dir, overrides):
+    """``trained``'s one-rank run as grpo/grpo.py's train() in this process: the one-rank reference the multi-rank
+    runs (new processes, whose launch is under test) are compared with."""
+    with sync_script() as script, contextlib.redirect_stdout(io.StringIO()):
+        script.train(compose_in_run_dir(run_dir, overrides))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "reward" in r}, load_file(run_dir / "export" / "model.safetensors")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """4 steps from seed 0, checkpointed at step 2, on 1 rank and on 2: (steps' metrics, exported weights) each."""
+    """4 steps from seed 0, checkpointed at step 2, on 1 rank (in-process) and on 2 (torchrun): (steps' metrics,
+    exported weights) each."""
     runs = {ranks: tmp_path_factory.mktemp(f"ranks{ranks}") for ranks in (1, 2)}
-    return {ranks: trained(run_dir, STEPS, ranks) for ranks, run_dir in runs.items()} | {"dirs": runs}
+    return {1: trained_here(runs[1], STEPS), 2: trained(runs[2], STEPS, 2)} | {"dirs": runs}
 
 
 def assert_same_weights(got: dict, expected: dict) -> None:

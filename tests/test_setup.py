@@ -53,15 +53,18 @@ def test_a_short_run_prints_no_warnings_and_shows_replies_with_their_rewards(tmp
 
 
 def test_sweep_jobs_get_their_own_wandb_run_and_resume_auto_picks_their_own_run():
-    """Both jobs of a sweep share one experiment_name. A second sweep with resume=auto, its values in the
-    other order, continues each job's own run: resume=auto used to take the newest run of the name."""
+    """Both jobs of a sweep share one experiment_name; every job runs, with its own value (a constant schedule: the
+    lr its step 1 logs is the one swept). A second sweep with resume=auto, its values in the other order, continues
+    each job's own run: resume=auto used to take the newest run of the name."""
     name = f"test-sweep-{uuid.uuid4().hex[:8]}"
     root = REPO / "multirun" / name  # resume=auto searches the repo's outputs/ and multirun/
-    common = [*SMALL, "train.total_steps=1", f"logging.experiment_name={name}", "logger=wandb", "wandb.mode=offline"]
+    common = [*SMALL, "train.total_steps=1", "optimizer.schedule=constant", f"logging.experiment_name={name}",
+              "logger=wandb", "wandb.mode=offline"]
     try:
         first = root / "first"
         grpo(f"hydra.sweep.dir={first}", "optimizer.lr=1e-4,3e-4", *common, multirun=True)
-        for job in ("0", "1"):
+        for job, lr in (("0", 1e-4), ("1", 3e-4)):
+            assert [r["lr"] for r in read_metrics(first / job / "metrics.jsonl") if "lr" in r][:1] == [lr], job
             record = next((first / job / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
             assert f"{name}-{job}".encode() in record and f"{name} {first}".encode() in record  # name, group
         grpo(f"hydra.sweep.dir={root / 'second'}", "optimizer.lr=3e-4,1e-4", "resume=auto", *common, multirun=True)

@@ -62,35 +62,35 @@ def lead_or_follow(world: World, trainer: Trainer, lead) -> None:
 
 
 def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str,
-                      extra: tuple[str, ...]):
-    """Three GRPO steps on the same rollouts; rank 0 writes each step's metrics and the whole weights after the last."""
+                      extra: tuple[str, ...], ckpt_dir: str | None = None):
+    """Three GRPO steps on the same rollouts; rank 0 writes each step's metrics and the whole weights after the last.
+    With ``ckpt_dir``: then a checkpoint of step 3 (led by rank 0, every rank's shards in it) and step 4, whose
+    whole weights rank 0 writes too (``went_on``): what a resume from that checkpoint must reach."""
     world, trainer = rank_trainer(rank, size, port, model_dir, data_dir, extra)
     rollouts = torch.load(rollouts_file, weights_only=False)
 
     def lead():
         metrics = [trainer.update(rollouts, step) for step in (1, 2, 3)]
         pushed = trainer.whole_weights()  # what a weight push from a sharded policy sends the engines
-        torch.save({"metrics": metrics, "weights": whole_weights(trainer), "pushed": pushed}, out)
+        torch.save({"metrics": metrics, "weights": whole_weights(trainer), "pushed": pushed}, out)  # now: one rank's
+        if ckpt_dir is not None:                                       # weights are the live tensors, step 4 moves them
+            save_checkpoint(ckpt_dir, 3, state=trainer.checkpoint_state(), resolved_config={},
+                            counters={"step": 3, "policy_version": trainer.policy_version})
+            trainer.update(rollouts, 4)
+            torch.save(whole_weights(trainer), out + ".went_on")
 
     lead_or_follow(world, trainer, lead)
 
 
-def checkpoint_and_go_on(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str,
-                         ckpt_dir: str, resume: bool, out: str):
-    """Either steps 1-3, a checkpoint, then step 4; or the checkpoint restored (every rank reads it), then
-    step 4. Rank 0 writes the whole weights after step 4."""
+def resume_and_go_on(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str,
+                     ckpt_dir: str, out: str):
+    """The checkpoint restored (every rank reads it), then step 4. Rank 0 writes the whole weights after step 4."""
     world, trainer = rank_trainer(rank, size, port, model_dir, data_dir)
     rollouts = torch.load(rollouts_file, weights_only=False)
 
     def lead():
-        if resume:
-            path = list_checkpoints(Path(ckpt_dir))[-1]
-            trainer.restore(load_checkpoint(path), path)
-        else:
-            for step in (1, 2, 3):
-                trainer.update(rollouts, step)
-            save_checkpoint(ckpt_dir, 3, state=trainer.checkpoint_state(), resolved_config={},
-                            counters={"step": 3, "policy_version": trainer.policy_version})
+        path = list_checkpoints(Path(ckpt_dir))[-1]
+        trainer.restore(load_checkpoint(path), path)
         trainer.update(rollouts, 4)
         torch.save(whole_weights(trainer), out)
 
@@ -143,23 +143,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(size: int, tmp_path, rollouts_file, cfg, extra: tuple[str, ...] = ()) -> dict:
+def run_ranks(size: int, tmp_path, rollouts_file, cfg, extra: tuple[str, ...] = (), ckpt_dir=None) -> dict:
     out = str(tmp_path / f"ranks{size}.pt")
     mp.spawn(train_three_steps, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
-                                                   str(rollouts_file), out, extra))
-    return torch.load(out, weights_only=False)
+                                                   str(rollouts_file), out, extra,
+                                                   None if ckpt_dir is None else str(ckpt_dir)))
+    result = torch.load(out, weights_only=False)
+    if ckpt_dir is not None:
+        result["went_on"] = torch.load(out + ".went_on", weights_only=False)
+    return result
+
+
+@pytest.fixture(scope="module")
+def three_steps(setup, tmp_path_factory):  # noqa: F811 - the imported fixture
+    """The same rollouts trained 3 steps, checkpointed at step 3 and trained on to step 4, on 1 rank and on 2
+    (default FSDP2 settings): ``{ranks: (run_ranks' result, its checkpoint folder)}`` and the rollouts' file. One run
+    of each serves both tests below: 1 rank against 2, and each rank count's checkpoint resumed on the other."""
+    cfg, _, _, rollouts, _ = setup
+    tmp_path = tmp_path_factory.mktemp("three_steps")
+    rollouts_file = tmp_path / "rollouts.pt"
+    torch.save(Replies.from_collector(rollouts), rollouts_file)
+    runs = {}
+    for size in (1, 2):
+        ckpt_dir = tmp_path / f"ckpt{size}"
+        runs[size] = (run_ranks(size, tmp_path, rollouts_file, cfg, ckpt_dir=ckpt_dir), ckpt_dir)
+    return runs, rollouts_file
 
 
 @pytest.mark.parametrize("two_ranks_with", [(), ("train_model.reshard_after_forward=false",)])
-def test_two_ranks_train_as_one(setup, tmp_path, two_ranks_with):  # noqa: F811 - the imported fixture
+def test_two_ranks_train_as_one(setup, three_steps, tmp_path, two_ranks_with):  # noqa: F811 - the imported fixture
     """Same seed, same rollouts: two ranks (each half of every micro-batch, the policy sharded, the
     reference scoring half the rows) give the step-1 loss and gradient norm of one rank to 1e-5, the
     same metrics, and the same weights after 3 steps (6 optimiser steps) to 1e-5; also with the gathered
     weights kept from forward to backward (FSDP2 reshard_after_forward=False)."""
-    cfg, _, _, rollouts, _ = setup
-    rollouts_file = tmp_path / "rollouts.pt"
-    torch.save(Replies.from_collector(rollouts), rollouts_file)
-    one, two = run_ranks(1, tmp_path, rollouts_file, cfg), run_ranks(2, tmp_path, rollouts_file, cfg, two_ranks_with)
+    cfg = setup[0]
+    (runs, rollouts_file) = three_steps
+    one = runs[1][0]
+    two = runs[2][0] if not two_ranks_with else run_ranks(2, tmp_path, rollouts_file, cfg, two_ranks_with)
     first_one, first_two = one["metrics"][0], two["metrics"][0]
     assert first_one["optim_steps"] == 2 * cfg.train.epochs
     assert first_one["micro_batches"] == 2 and first_two["micro_batches"] == 1
@@ -188,22 +208,22 @@ def load_initial_weights(cfg) -> dict:
 
 
 @pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_ranks(setup, tmp_path, saved_by, resumed_by):  # noqa: F811
+def test_a_checkpoint_resumes_on_another_number_of_ranks(setup, three_steps, tmp_path, saved_by, resumed_by):  # noqa: F811
     """A checkpoint holds whole tensors: written by 2 ranks and resumed by 1 (or the other way), step 4
-    gives the weights of the run that wrote it and went on, to 1e-5."""
-    cfg, _, _, rollouts, _ = setup
-    rollouts_file = tmp_path / "rollouts.pt"
-    torch.save(Replies.from_collector(rollouts), rollouts_file)
-
-    def run(size, resume, out):
-        mp.spawn(checkpoint_and_go_on, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
-                                                          str(rollouts_file), str(tmp_path / "ckpt"), resume, out))
-        return torch.load(out, weights_only=False)
-
-    went_on = run(saved_by, False, str(tmp_path / "went_on.pt"))
-    resumed = run(resumed_by, True, str(tmp_path / "resumed.pt"))
-    saved = load_checkpoint(list_checkpoints(tmp_path / "ckpt")[-1])
+    gives the weights of the run that wrote it and went on, to 1e-5 (``three_steps``: that run)."""
+    cfg = setup[0]
+    runs, rollouts_file = three_steps
+    saved_run, ckpt_dir = runs[saved_by]
+    went_on, out = saved_run["went_on"], str(tmp_path / "resumed.pt")
+    mp.spawn(resume_and_go_on, nprocs=resumed_by, args=(resumed_by, free_port(), cfg.model.name, cfg.env.dataset,
+                                                        str(rollouts_file), str(ckpt_dir), out))
+    resumed = torch.load(out, weights_only=False)
+    saved = load_checkpoint(list_checkpoints(ckpt_dir)[-1])
+    assert saved["step"] == 3
     assert saved["model"].keys() == went_on.keys() and all(not isinstance(v, DTensor) for v in saved["model"].values())
+    # step 4 moved the weights beyond the tolerance: a resume that restored nothing could not pass
+    moved = max(float((went_on[n] - saved["model"][n]).abs().max()) for n in went_on)
+    assert moved > 1e-4
     for name, weight in went_on.items():
         torch.testing.assert_close(resumed[name], weight, atol=1e-5, rtol=1e-5, msg=name)
 
