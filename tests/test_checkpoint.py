@@ -1,8 +1,6 @@
 """Checkpoints restore the same state: resumed runs equal straight ones, kills lose nothing."""
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import random
@@ -19,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import REPO, TINY_DATA, TINY_MODEL
-from conftest import compose, compose_in_run_dir, sync_script
+from conftest import compose, train_in_process
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.errors import ResumeError
 from grpo.training import checkpoint
@@ -53,8 +51,7 @@ def run(run_dir, *overrides):
 def train_here(run_dir, *overrides):
     """``run``'s run, trained in this process (grpo/grpo.py's train): for the uninterrupted runs the resumed ones are
     compared with, whose launch is not under test (the runs they are compared with are new processes)."""
-    with sync_script() as script, contextlib.redirect_stdout(io.StringIO()):
-        script.train(compose_in_run_dir(run_dir, [*SMALL, *overrides]))
+    train_in_process(run_dir, [*SMALL, *overrides])
 
 
 def step_rows(run_dir):

@@ -1,8 +1,6 @@
 """End-to-end runs of the scripts on the embedded tiny model, as a user would start them."""
 
-import contextlib
 import importlib.util
-import io
 import json
 import math
 import subprocess
@@ -10,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TINY_DATA, TINY_MODEL, compose_in_run_dir, sync_script
+from conftest import REPO, TINY_DATA, TINY_MODEL, train_in_process
 from grpo.tasks.data import PromptStream
 from grpo.tasks.envs import load_gsm8k
 from grpo.training.checkpoint import list_checkpoints
@@ -83,10 +81,8 @@ VARIANTS = {"dr_grpo": ["train.loss_variant=dr_grpo"], "gspo": ["train.loss_vari
 def test_each_variant_trains_both_tiny_tasks(config, variant, tmp_path):
     """grpo/grpo.py's ``train`` run in this process (the loss variant is under test, not the launch, which the runs
     above cover): the ~10 s of imports a new process spends are this worker's, once."""
-    with sync_script() as script, contextlib.redirect_stdout(io.StringIO()):
-        script.train(compose_in_run_dir(tmp_path, ["logging.progress_bar=false", *VARIANTS[variant],
-                                                   "train.total_steps=2", "eval.frequency=0", "eval.num_problems=16"],
-                                        config_name=config))
+    train_in_process(tmp_path, ["logging.progress_bar=false", *VARIANTS[variant], "train.total_steps=2",
+                                "eval.frequency=0", "eval.num_problems=16"], config_name=config)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
     assert len(steps) == 2 and all(math.isfinite(r["loss_objective"]) and r["grad_norm"] > 0 for r in steps)

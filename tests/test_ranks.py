@@ -3,7 +3,6 @@
 never stopped; stop together on a user error; and rank 0's followers end when it is killed."""
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -20,7 +19,7 @@ import yaml
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from conftest import REPO, SHORT_RUN, compose_in_run_dir, sync_script
+from conftest import REPO, SHORT_RUN, train_in_process
 from grpo.process.devices import allocate_devices
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.launch import agree_with_launcher, trainer_world
@@ -93,8 +92,7 @@ def trained(run_dir, overrides, ranks: int, torchrun: bool = True, script: str =
 def trained_here(run_dir, overrides):
     """``trained``'s one-rank run as grpo/grpo.py's train() in this process: the one-rank reference the multi-rank
     runs (new processes, whose launch is under test) are compared with."""
-    with sync_script() as script, contextlib.redirect_stdout(io.StringIO()):
-        script.train(compose_in_run_dir(run_dir, overrides))
+    train_in_process(run_dir, overrides)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "reward" in r}, load_file(run_dir / "export" / "model.safetensors")
 

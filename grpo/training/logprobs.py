@@ -71,7 +71,7 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     needed. The head runs over chunks of positions, each under activation checkpointing, so at most
     ``LOGIT_CHUNK_BYTES`` of logits are alive at once, forward or backward; the values are those of
     one full-width pass. ``entropy_grad=False`` keeps the full-vocabulary entropy out of the autograd
-    graph (then it is only logged). ``head_fn`` computes one chunk's (``head_log_probs``, or it compiled).
+    graph (then it is only logged). ``head_fn`` computes one chunk's (``head_log_probs``, or its compiled form).
     """
     # positions count real tokens only, as in generation from left-padded prompts
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
