@@ -417,6 +417,23 @@ def test_compiled_loss_matches_eager_in_value_and_gradient(setup):
     model.zero_grad(set_to_none=True)
 
 
+def test_compiled_reference_scores_as_eager_in_one_graph_per_part(setup):
+    """train_model.compile compiles the reference's scoring too (it never generates): the same log-probs as the
+    eager reference, from one graph for the layers and one for the head, without grad."""
+    cfg, _, model, _, batch = setup
+    settings = GRPOSettings.from_config(cfg)
+    ref = copy.deepcopy(model).requires_grad_(False)
+    optimizer = make_optimizer(cfg, model)
+    step = GRPOStep(dataclasses.replace(settings, compile=True), policy=ReplyLogProbs(copy.deepcopy(model)),
+                    optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), ref_model=ref,
+                    pad_token_id=0, stop_token_ids=[])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    cut = dataclasses.replace(settings, micro_batch_size=4, micro_batch_tokens=None)
+    scored = score_replies(batch, step.ref, cut)
+    assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 3  # (+1: a micro-batch without a mask)
+    torch.testing.assert_close(scored, score_replies(batch, ReplyLogProbs(model), cut), atol=1e-5, rtol=1e-4)
+
+
 def test_default_master_weights_apply_updates_of_the_default_learning_rate():
     """The real job's AdamW steps are ~lr = 2e-6; next to a weight of ~0.02 that is below bfloat16's
     spacing (~1e-4), so bf16 master weights barely moved. The default keeps float32 master weights

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from grpo.process.world import World
 from grpo.training.batch import micro_batches
-from grpo.training.models import compile_decoder_layers, compiled_with_grad
+from grpo.training.models import compile_decoder_layers, compiled, compiled_with_grad
 
 
 class ReplyLogProbs(torch.nn.Module):
@@ -30,6 +30,11 @@ class ReplyLogProbs(torch.nn.Module):
         float32 logits, their logsumexp and gather fused), compiled for the passes that build a graph."""
         compile_decoder_layers(self.model)
         self.head_log_probs = compiled_with_grad(head_log_probs)
+
+    def compile_for_scoring(self) -> None:
+        """The same for a model that only scores (the reference, which never generates): every pass compiled."""
+        compile_decoder_layers(self.model, compiled)
+        self.head_log_probs = compiled(head_log_probs)
 
     def forward(self, input_ids, attention_mask, width_r: int, *, with_entropy: bool, entropy_grad: bool):
         token_lp, entropy = token_log_probs(self.model, input_ids, attention_mask, width_r, with_entropy=with_entropy,

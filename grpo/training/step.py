@@ -101,6 +101,8 @@ class GRPOStep:
         self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
         if settings.compile:  # fewer, fused kernels: 1.5B on an H100, layers alone: train part 3.67 -> 3.10 s
             policy.compile_for_training()
+            if self.ref is not None:
+                self.ref.compile_for_scoring()
 
     def __call__(self, rollouts) -> dict:
         batch, metrics = self.prepare(rollouts)
