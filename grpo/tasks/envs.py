@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import warnings
 
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from torchrl.collectors.llm import LLMCollector
 from torchrl.envs import StepCounter
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv, IFEvalEnv
@@ -263,16 +263,35 @@ def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle
     return env
 
 
-def make_collector(env, policy, dialog_turns_per_batch: int) -> LLMCollector:
-    """TorchRL's LLM collector over ``env``: each batch holds ``dialog_turns_per_batch`` replies."""
+class OneTurnCollector(LLMCollector):
+    """TorchRL's LLM collector for one-turn envs (every task here ends its episode after one reply).
+
+    TorchRL's generic loop steps with ``step_and_maybe_reset``, which first builds every env's next
+    observation (``step_mdp`` over the lazily stacked chat histories, one env at a time) although all of them
+    are done, and then clones each step's output: for 128 replies that cost 1.3 s of single-core CPU a
+    collection (0.58 s + 0.69 s, cProfile), outside the sampler, every step. One turn is reset, generate,
+    score, as in eval: each step's output is the env's own new tensordict, so nothing needs copying. The
+    prompt batches are drawn in the same order; each at its collection's start rather than the last one's end.
+    """
+
+    def _rollout_all(self):
+        batches, replies = [], 0
+        while replies < self.dialog_turns_per_batch:
+            batches.append(self.env.step(self.policy(self.env.reset())))
+            replies += batches[-1].numel()
+        return lazy_stack(batches, -1).view(-1) if self.flatten_data else lazy_stack(batches, -1)
+
+
+def make_collector(env, policy, dialog_turns_per_batch: int) -> OneTurnCollector:
+    """A collector over ``env``: each batch holds ``dialog_turns_per_batch`` replies."""
     with warnings.catch_warnings():
         # TorchRL 0.14 asks every nn.Module policy's env for an InitTracker and points to
         # auto_register_policy_transforms, which LLMCollector does not accept; a one-turn chat env needs none
-        warnings.filterwarnings("ignore", message="The env passed to LLMCollector is missing transforms",
+        warnings.filterwarnings("ignore", message="The env passed to OneTurnCollector is missing transforms",
                                 category=FutureWarning)
-        collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=dialog_turns_per_batch,
-                                 total_dialog_turns=-1)
-    # Each batch is already a fresh stack of cloned env outputs (LLMCollector._rollout_all), so the
-    # iterator's second deep clone only costs time: about 0.2 s of a 2.7 s step on the tiny task.
+        collector = OneTurnCollector(env, policy=policy, dialog_turns_per_batch=dialog_turns_per_batch,
+                                     total_dialog_turns=-1)
+    # Each batch is already a fresh stack of the env's outputs (_rollout_all), so the iterator's second deep
+    # clone only costs time: about 0.2 s of a 2.7 s step on the tiny task.
     collector.return_same_td = True
     return collector

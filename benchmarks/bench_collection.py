@@ -1,0 +1,121 @@
+#!/usr/bin/env python
+"""What a rollout collection costs outside the sampler: TorchRL's ``LLMCollector`` loop against ours
+(``grpo.tasks.envs.OneTurnCollector``), in one invocation (CPU, one thread).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_collection.py                  # 128 replies x 256 tokens
+    OMP_NUM_THREADS=1 python benchmarks/bench_collection.py --replies 64 --max-new-tokens 64
+
+The tiny model (``config/grpo_tiny``) generates ``--replies`` replies of exactly ``--max-new-tokens`` tokens
+(no stop token ends them early) through the training env (GSM8K chat prompts and reward). Each round
+collects one batch with each collector, alternating which goes first; per collection it prints the wall
+and process CPU seconds, the seconds inside the sampler (``ReplySampler.generate``) and the rest: the
+env's reset and step (chat history, reward), the collector's loop and the policy wrapper. The medians over
+the rounds are compared: ``rest`` is what a GPU host pays on its CPU every step, whatever the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replies", type=int, default=128, help="replies in a batch (env.num_envs)")
+    p.add_argument("--group", type=int, default=8, help="replies per prompt (env.repeats)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="every reply's length")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of one collection each; the medians are compared")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def build(args):
+    """The env, the policy over a ``ReplySampler`` whose time is counted, and that counter."""
+    import torch
+    from tensordict import set_list_to_stack
+
+    from grpo.inference.decoding import ReplySampler
+    from grpo.inference.engine import make_transformers_policy
+    from grpo.inference.generation import EngineSettings, generate_kwargs
+    from grpo.process.setup import resolve_local_paths
+    from grpo.tasks.envs import make_env
+    from grpo.training.models import load_policy_model, load_tokenizer
+    from tools.compose import compose_config
+
+    set_list_to_stack(True).set()
+    torch.manual_seed(args.seed)
+    cfg = compose_config("grpo_tiny", [f"env.num_envs={args.replies}", f"env.repeats={args.group}",
+                                       f"inference_model.max_new_tokens={args.max_new_tokens}"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    sampler = ReplySampler(load_policy_model(cfg, tok, torch.device("cpu")), compile=False, cache_bucket=64)
+    sampler_s = [0.0]
+    generate = sampler.generate
+
+    def timed_generate(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return generate(*a, **kw)
+        finally:
+            sampler_s[0] += time.perf_counter() - t0
+
+    sampler.generate = timed_generate
+    never = [tok.vocab_size + 1000]  # a stop id no token has: every reply runs to max_new_tokens
+    policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(
+        EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=args.max_new_tokens, stop_ids=never))
+    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=args.group, num_envs=args.replies)
+    return env, policy, sampler_s
+
+
+def collectors(env, policy, replies: int) -> dict:
+    """TorchRL's collector, set up as make_collector sets up ours, and ours."""
+    import warnings
+
+    from torchrl.collectors.llm import LLMCollector
+
+    from grpo.tasks.envs import make_collector
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # TorchRL's InitTracker notice, as make_collector silences it
+        torchrl = LLMCollector(env, policy=policy, dialog_turns_per_batch=replies, total_dialog_turns=-1)
+    torchrl.return_same_td = True
+    return {"torchrl LLMCollector": iter(torchrl), "OneTurnCollector": iter(make_collector(env, policy, replies))}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    env, policy, sampler_s = build(args)
+    batches = collectors(env, policy, args.replies)
+    names = list(batches)
+    for name in names:  # a first collection each: the sampler's first call and the env's lazy setup
+        next(batches[name])
+    rows = {name: [] for name in names}
+    for round_ in range(args.rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            sampler_s[0] = 0.0
+            wall, cpu = time.perf_counter(), time.process_time()
+            batch = next(batches[name])
+            row = {"collector": name, "replies": batch.numel(), "wall_s": time.perf_counter() - wall,
+                   "cpu_s": time.process_time() - cpu, "sampler_s": sampler_s[0]}
+            row["rest_s"] = row["wall_s"] - row["sampler_s"]
+            print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+            rows[name].append(row)
+    before, after = ({key: statistics.median(r[key] for r in rows[name]) for key in ("rest_s", "wall_s", "cpu_s")}
+                     for name in names)
+    print(f"medians of {args.rounds}: outside the sampler {before['rest_s']:.3f} s -> {after['rest_s']:.3f} s "
+          f"({before['rest_s'] / after['rest_s']:.2f}x); whole collection {before['wall_s']:.3f} s -> "
+          f"{after['wall_s']:.3f} s (CPU {before['cpu_s']:.3f} s -> {after['cpu_s']:.3f} s)")
+
+
+if __name__ == "__main__":
+    main()

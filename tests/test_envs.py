@@ -1,0 +1,55 @@
+"""grpo/tasks/envs.py: the one-turn collector (the tasks' envs and rewards: test_rewards.py, test_ifeval.py,
+test_user_task.py)."""
+
+import warnings
+
+import torch
+from torchrl.collectors.llm import LLMCollector
+
+from conftest import compose
+from grpo.inference.decoding import ReplySampler
+from grpo.inference.engine import make_transformers_policy
+from grpo.inference.generation import EngineSettings, generate_kwargs
+from grpo.process.setup import resolve_local_paths
+from grpo.rollout.replies import TENSORS, Replies
+from grpo.tasks.data import serve_from
+from grpo.tasks.envs import OneTurnCollector, make_collector, make_env
+from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
+
+
+def torchrl_collector(env, policy, replies: int) -> LLMCollector:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return LLMCollector(env, policy=policy, dialog_turns_per_batch=replies, total_dialog_turns=-1)
+
+
+def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_dir, tiny_data_dir):
+    """Served from the same prompt batch, with the same sampling seed, two collections in a row of two env batches
+    each hold the same prompts, replies, log-probs, rewards and rows, in the same order, as TorchRL's
+    ``LLMCollector`` gives: ours only skips what a one-turn env does not need (the next observation of envs that
+    are all done, and a copy of every step)."""
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "env.repeats=4",
+                                "env.num_envs=8", "inference_model.max_new_tokens=16"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    options = generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=16,
+                              stop_ids=stop_token_ids(tok, model.generation_config))
+    collected = {}
+    for build in (torchrl_collector, make_collector):
+        env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+        collector = build(env, make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok,
+                                                        gen_kwargs=options), 16)
+        serve_from(env, collector, 3)
+        batches = iter(collector)
+        collected[type(collector)] = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            collected[type(collector)].append(Replies.from_collector(next(batches)))
+    assert collected.keys() == {LLMCollector, OneTurnCollector}
+    theirs, ours = collected[LLMCollector], collected[OneTurnCollector]
+    assert theirs[0].row_index.tolist() != theirs[1].row_index.tolist()  # two different prompt batches
+    for expected, got in zip(theirs, ours):
+        assert len(got.user_prompts) == 16 and got.user_prompts == expected.user_prompts
+        for name in TENSORS:
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
