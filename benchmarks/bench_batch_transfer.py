@@ -41,8 +41,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def collect(args):
-    """One collector batch, reshaped as the rollout sources hand it on; the tiny model's stop ids and pad id."""
+def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed: int):
+    """The tiny model's training env and a sampling policy over it whose replies all run to ``max_new_tokens``
+    (no stop token ends them early): ``(env, policy, sampler, tokenizer, model)``."""
     import torch
     from tensordict import set_list_to_stack
 
@@ -50,23 +51,31 @@ def collect(args):
     from grpo.inference.engine import make_transformers_policy
     from grpo.inference.generation import EngineSettings, generate_kwargs
     from grpo.process.setup import resolve_local_paths
-    from grpo.tasks.envs import make_collector, make_env
-    from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids
+    from grpo.tasks.envs import make_env
+    from grpo.training.models import load_policy_model, load_tokenizer
     from tools.compose import compose_config
 
     set_list_to_stack(True).set()
-    torch.manual_seed(args.seed)
-    cfg = compose_config("grpo_tiny", [f"env.num_envs={args.replies}", f"env.repeats={args.group}",
-                                       f"inference_model.max_new_tokens={args.max_new_tokens}"])
+    torch.manual_seed(seed)
+    cfg = compose_config("grpo_tiny", [f"env.num_envs={replies}", f"env.repeats={group}",
+                                       f"inference_model.max_new_tokens={max_new_tokens}"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     model = load_policy_model(cfg, tok, torch.device("cpu"))
-    never = [tok.vocab_size + 1000]  # a stop id no token has: every reply runs to max_new_tokens
-    policy = make_transformers_policy(
-        ReplySampler(model, compile=False, cache_bucket=64), tok,
-        gen_kwargs=generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False,
-                                   max_new_tokens=args.max_new_tokens, stop_ids=never))
-    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=args.group, num_envs=args.replies)
+    sampler = ReplySampler(model, compile=False, cache_bucket=64)
+    never = [tok.vocab_size + 1000]  # a stop id no token has
+    policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(
+        EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=max_new_tokens, stop_ids=never))
+    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=group, num_envs=replies)
+    return env, policy, sampler, tok, model
+
+
+def collect(args):
+    """One collector batch, reshaped as the rollout sources hand it on; the tiny model's stop ids and pad id."""
+    from grpo.tasks.envs import make_collector
+    from grpo.training.models import stop_token_ids
+
+    env, policy, _, tok, model = never_stopping_rollouts(args.replies, args.group, args.max_new_tokens, args.seed)
     t0 = time.perf_counter()
     batch = next(iter(make_collector(env, policy, args.replies))).reshape(-1)
     print(f"collected {batch.numel()} replies in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -41,24 +42,9 @@ def parse_args(argv=None):
 
 def build(args):
     """The env, the policy over a ``ReplySampler`` whose time is counted, and that counter."""
-    import torch
-    from tensordict import set_list_to_stack
+    from bench_batch_transfer import never_stopping_rollouts
 
-    from grpo.inference.decoding import ReplySampler
-    from grpo.inference.engine import make_transformers_policy
-    from grpo.inference.generation import EngineSettings, generate_kwargs
-    from grpo.process.setup import resolve_local_paths
-    from grpo.tasks.envs import make_env
-    from grpo.training.models import load_policy_model, load_tokenizer
-    from tools.compose import compose_config
-
-    set_list_to_stack(True).set()
-    torch.manual_seed(args.seed)
-    cfg = compose_config("grpo_tiny", [f"env.num_envs={args.replies}", f"env.repeats={args.group}",
-                                       f"inference_model.max_new_tokens={args.max_new_tokens}"])
-    resolve_local_paths(cfg)
-    tok = load_tokenizer(cfg.model.name)
-    sampler = ReplySampler(load_policy_model(cfg, tok, torch.device("cpu")), compile=False, cache_bucket=64)
+    env, policy, sampler, _, _ = never_stopping_rollouts(args.replies, args.group, args.max_new_tokens, args.seed)
     sampler_s = [0.0]
     generate = sampler.generate
 
@@ -69,11 +55,7 @@ def build(args):
         finally:
             sampler_s[0] += time.perf_counter() - t0
 
-    sampler.generate = timed_generate
-    never = [tok.vocab_size + 1000]  # a stop id no token has: every reply runs to max_new_tokens
-    policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(
-        EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=args.max_new_tokens, stop_ids=never))
-    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=args.group, num_envs=args.replies)
+    sampler.generate = timed_generate  # the policy calls it through the sampler object
     return env, policy, sampler_s
 
 
