@@ -250,11 +250,11 @@ def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
     assert kl[1] == pytest.approx(k3([-0.5], [-0.1]), abs=1e-6)
 
 
-def make_step(cfg, model, **settings) -> GRPOStep:
+def make_step(cfg, model, ref_model=None, **settings) -> GRPOStep:
     optimizer = make_optimizer(cfg, model)
     return GRPOStep(dataclasses.replace(GRPOSettings.from_config(cfg), **settings), policy=ReplyLogProbs(model),
-                    optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), pad_token_id=0,
-                    stop_token_ids=[])
+                    optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), ref_model=ref_model,
+                    pad_token_id=0, stop_token_ids=[])
 
 
 def test_optimize_steps_once_per_minibatch_and_starts_on_policy(setup):
@@ -422,11 +422,7 @@ def test_compiled_reference_scores_as_eager_in_one_graph_per_part(setup):
     eager reference, from one graph for the layers and one for the head, without grad."""
     cfg, _, model, _, batch = setup
     settings = GRPOSettings.from_config(cfg)
-    ref = copy.deepcopy(model).requires_grad_(False)
-    optimizer = make_optimizer(cfg, model)
-    step = GRPOStep(dataclasses.replace(settings, compile=True), policy=ReplyLogProbs(copy.deepcopy(model)),
-                    optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), ref_model=ref,
-                    pad_token_id=0, stop_token_ids=[])
+    step = make_step(cfg, copy.deepcopy(model), ref_model=copy.deepcopy(model).requires_grad_(False), compile=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     cut = dataclasses.replace(settings, micro_batch_size=4, micro_batch_tokens=None)
     scored = score_replies(batch, step.ref, cut)

@@ -279,7 +279,8 @@ class OneTurnCollector(LLMCollector):
         while replies < self.dialog_turns_per_batch:
             batches.append(self.env.step(self.policy(self.env.reset())))
             replies += batches[-1].numel()
-        return lazy_stack(batches, -1).view(-1) if self.flatten_data else lazy_stack(batches, -1)
+        stacked = lazy_stack(batches, -1)
+        return stacked.view(-1) if self.flatten_data else stacked
 
 
 def make_collector(env, policy, dialog_turns_per_batch: int) -> OneTurnCollector:
