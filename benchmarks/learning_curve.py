@@ -6,7 +6,8 @@ push, without eval or checkpoint time), as JSON and a PNG.
 
 Each run is labelled by its config name and seed (``--labels`` overrides). The JSON also holds, per
 run, the accuracy at the eval nearest to each ``--marks`` minute (10 and 20 by default), the largest
-``kl_to_ref`` and the mean step time.
+``kl_to_ref`` and the mean step time. Where the runs logged them, accuracies carry their standard error
+(error bars) and each eval its gain since the first with the paired standard error (same problems).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def curve(run_dir: Path) -> dict:
             elapsed += row["step_time_s"]
             minutes[row["step"]] = elapsed / 60
     evals = [{"step": r["step"], "train_minutes": round(minutes.get(r["step"], elapsed / 60), 2),
-              **{k.removeprefix("eval/"): r[k] for k in ("eval/accuracy", "eval/strict_accuracy",
+              **{k.removeprefix("eval/"): r[k] for k in ("eval/accuracy", "eval/accuracy_stderr", "eval/gain",
+                                                           "eval/gain_stderr", "eval/strict_accuracy",
                                                            "eval/flexible_accuracy", "eval/answer_rate",
                                                            "eval/response_length", "eval/truncated_fraction") if k in r}}
              for r in rows if "eval/accuracy" in r]
@@ -44,6 +46,11 @@ def at_minute(evals: list[dict], minute: float) -> dict | None:
     """The last eval at or before ``minute`` of training."""
     before = [e for e in evals if e["train_minutes"] <= minute + 1e-9]
     return before[-1] if before else None
+
+
+def gain_text(e: dict) -> str:
+    """``, +9.0 ± 2.1 points``: the eval's gain since the run's first, with its paired standard error, where logged."""
+    return f", {100 * e['gain']:+.1f} ± {100 * e['gain_stderr']:.1f} points" if "gain" in e else ""
 
 
 def label_of(run_dir: Path) -> str:
@@ -66,8 +73,9 @@ def plot(curves: dict[str, dict], out_png: Path) -> None:
     for i, (label, c) in enumerate(curves.items()):
         color = f"C{i}"
         t = [e["train_minutes"] for e in c["evals"]]
-        acc.plot(t, [e.get("flexible_accuracy", e["accuracy"]) for e in c["evals"]], "o-", color=color,
-                 label=f"{label} flexible")
+        stderr = [e.get("accuracy_stderr") for e in c["evals"]]  # eval/accuracy's: the default (flexible) extraction
+        acc.errorbar(t, [e.get("flexible_accuracy", e["accuracy"]) for e in c["evals"]], fmt="o-", color=color,
+                     yerr=None if None in stderr else stderr, capsize=2, label=f"{label} flexible")
         if all("strict_accuracy" in e for e in c["evals"]):
             acc.plot(t, [e["strict_accuracy"] for e in c["evals"]], "s--", color=color, alpha=0.6,
                      label=f"{label} strict")
@@ -98,7 +106,7 @@ def main() -> None:
     for label, c in curves.items():
         first, *_ = c["evals"] or [None]
         marks = " ".join(f"{m}min: {e['flexible_accuracy' if 'flexible_accuracy' in e else 'accuracy']:.3f} "
-                         f"(step {e['step']})" if e else f"{m}min: -" for m, e in c["at_minutes"].items())
+                         f"(step {e['step']}{gain_text(e)})" if e else f"{m}min: -" for m, e in c["at_minutes"].items())
         print(f"{label}: step 0 {first['accuracy']:.3f} | {marks} | kl_to_ref max {c['kl_to_ref_max']:.3f} | "
               f"step {c['step_time_s_mean']:.1f} s" if first else f"{label}: no eval")
 

@@ -82,6 +82,15 @@ def test_half_then_resume_equals_straight_run(straight, tmp_path):
             assert a[step][key] == pytest.approx(b[step][key], rel=1e-6, abs=1e-9), (step, key)
     wa, wb = final_weights(straight), final_weights(tmp_path)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the resumed run's last eval is paired with the first run's step 0, as the straight run's is
+    assert [json.loads(line)["step"] for line in (tmp_path / "eval_scores.jsonl").read_text().splitlines()] == [0, 2, 4]
+    (gain_a,), (gain_b,) = ([r for r in eval_rows(d) if r["step"] == 4] for d in (straight, tmp_path))
+    assert gain_b["eval/gain_since_step"] == 0 and gain_b["eval/gain"] == gain_a["eval/gain"]
+    assert gain_b["eval/gain_stderr"] == gain_a["eval/gain_stderr"]
+
+
+def eval_rows(run_dir):
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval/accuracy" in r]
 
 
 def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path):

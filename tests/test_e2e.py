@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -33,6 +34,17 @@ def test_tiny_sync_run_learns(tmp_path):
     assert sum(r["reward"] for r in last) / 3 > sum(r["reward"] for r in first) / 3 + 0.1
     assert [e["step"] for e in evals] == [0, 10]
     assert evals[-1]["eval/accuracy"] > evals[0]["eval/accuracy"]
+    # each eval's per-problem scores; the accuracy's standard error, and the gain's paired one (same problems)
+    scores = [json.loads(line) for line in (tmp_path / "eval_scores.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in scores] == [0, 10] and all(len(s["scores"]) == 128 for s in scores)
+    for e, s in zip(evals, scores):
+        assert e["eval/accuracy"] == pytest.approx(statistics.mean(s["scores"]))
+        assert e["eval/accuracy_stderr"] == pytest.approx(statistics.stdev(s["scores"]) / math.sqrt(128))
+    differences = [after - before for before, after in zip(scores[0]["scores"], scores[1]["scores"])]
+    assert "eval/gain" not in evals[0] and evals[1]["eval/gain_since_step"] == 0
+    assert evals[1]["eval/gain"] == pytest.approx(evals[1]["eval/accuracy"] - evals[0]["eval/accuracy"])
+    assert evals[1]["eval/gain_stderr"] == pytest.approx(statistics.stdev(differences) / math.sqrt(128))
+    assert "points since step 0 (same problems)" in proc.stdout + proc.stderr
     required = {"step", "reward", "advantage_std", "kl_to_ref", "kl_to_inference", "loss_objective", "clip_fraction",
                 "ess", "entropy", "grad_norm", "response_length", "lr", "step_time_s"}
     assert required <= set(steps[0])

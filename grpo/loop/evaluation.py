@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 import time
 
 import torch
@@ -9,14 +11,15 @@ from tqdm import tqdm
 
 
 @torch.no_grad()
-def evaluate(env, policy, num_problems: int, fields: dict[str, str], stop_ids: list[int]) -> dict:
-    """Greedy replies to the first ``num_problems`` held-out prompts.
+def evaluate(env, policy, num_problems: int, fields: dict[str, str], stop_ids: list[int]) -> tuple[dict, list[float]]:
+    """Greedy replies to the first ``num_problems`` held-out prompts: the eval row, and each problem's score
+    (``eval/accuracy``'s, in problem order).
 
     ``fields`` maps eval metric names to the env's per-reply outputs (``success``, per-task
     accuracies); each is averaged over the problems (IFEval instruction-level accuracies are
     thus macro-averaged over prompts). Reply length and the share of replies cut at the token cap
     (their last token is none of ``stop_ids``) come with them: a recipe that collapses to short or
-    endless replies shows here.
+    endless replies shows here. ``eval/accuracy_stderr`` is the accuracy's standard error over the problems.
     """
     env.reset_dataloader()  # always the same problems, from the start of the split
     values = {name: [] for name in [*fields, "reward"]}
@@ -30,8 +33,25 @@ def evaluate(env, policy, num_problems: int, fields: dict[str, str], stop_ids: l
             truncated.append(reply.numel() == 0 or int(reply[-1]) not in stop_ids)
     n = num_problems
     result = {f"eval/{name}": sum(v[:n]) / n for name, v in values.items()}
-    return result | {"eval/response_length": sum(lengths[:n]) / n, "eval/truncated_fraction": sum(truncated[:n]) / n,
-                     "eval/num_problems": n}
+    scores = values[next(iter(fields))][:n]
+    return result | {"eval/accuracy_stderr": standard_error(scores), "eval/response_length": sum(lengths[:n]) / n,
+                     "eval/truncated_fraction": sum(truncated[:n]) / n, "eval/num_problems": n}, scores
+
+
+def standard_error(values: list[float]) -> float:
+    """Of the mean of ``values`` (0 for fewer than two)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+def gain_since(first: tuple[int, list[float]] | None, scores: list[float]) -> dict:
+    """The accuracy gained since ``first`` (its step and per-problem scores) on the same problems, with the
+    paired standard error: that of the per-problem differences, so problems solved (or missed) both times add
+    no noise, as they do to the two evals' own errors."""
+    if first is None or len(first[1]) != len(scores):
+        return {}
+    differences = [after - before for before, after in zip(first[1], scores)]
+    return {"eval/gain": sum(differences) / len(differences), "eval/gain_stderr": standard_error(differences),
+            "eval/gain_since_step": first[0]}
 
 
 # shown on the console after eval/accuracy where the task reports them (all of them in metrics.jsonl)
@@ -55,9 +75,14 @@ class Evaluator:
         t0 = time.perf_counter()
         if self.engine.version != trainer.policy_version:  # rollout workers elsewhere got the weights, it did not
             self.engine.push_weights(trainer.engine_weights(), trainer.policy_version)
-        result = evaluate(self.env, self.engine.greedy_policy, self.num_problems, self.fields, self.stop_ids)
+        result, scores = evaluate(self.env, self.engine.greedy_policy, self.num_problems, self.fields, self.stop_ids)
+        result |= gain_since(logger.first_eval_scores(), scores)
         logger.log({"step": step, **result, "eval/time_s": time.perf_counter() - t0})
+        logger.log_eval_scores(step, scores)
         shown = "".join(f" {name.removeprefix('eval/')} {result[name]:.3f}" for name in EVAL_SHOWN if name in result)
-        tqdm.write(f"step {step}: eval accuracy {result['eval/accuracy']:.3f} "
-                   f"({result['eval/num_problems']} problems){shown}, reply length {result['eval/response_length']:.0f}")
+        gain = (f", {100 * result['eval/gain']:+.1f} ± {100 * result['eval/gain_stderr']:.1f} points since step "
+                f"{result['eval/gain_since_step']} (same problems)" if "eval/gain" in result else "")
+        tqdm.write(f"step {step}: eval accuracy {result['eval/accuracy']:.3f} ± {result['eval/accuracy_stderr']:.3f} "
+                   f"({result['eval/num_problems']} problems){gain}{shown}, "
+                   f"reply length {result['eval/response_length']:.0f}")
         self.last_eval_step = step

@@ -1,5 +1,5 @@
 """Run outputs: ``metrics.jsonl`` (one JSON object per logged step), ``samples.jsonl`` (replies
-to read, one JSON object each), wandb, and plots.
+to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), wandb, and plots.
 
 Each row is written and flushed as soon as it is logged, so a killed run keeps every
 row up to its last step. wandb runs offline when no API key is configured;
@@ -21,11 +21,12 @@ from grpo.process.errors import RunDirError
 from grpo.rollout.replies import Replies
 from grpo.training.batch import group_ids, through_first_stop
 
-# metrics.png: one panel per entry, its metrics as lines (eval rows as markers). Held-out accuracy sits beside
-# its strict and flexible forms, and reply length and truncation beside their eval values, so a recipe
-# that learns a format and drops its reasoning shows in one look.
+# metrics.png: one panel per entry, its metrics as lines (eval rows as markers, with error bars where a
+# <name>_stderr is logged). Held-out accuracy sits beside its strict and flexible forms, and reply length and
+# truncation beside their eval values, so a recipe that learns a format and drops its reasoning shows in one
+# look; eval/gain is the accuracy gained since the first eval, on the same problems.
 PANELS = [("reward",), ("eval/accuracy", "eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate"),
-          ("kl_to_ref",), ("loss_objective",), ("clip_fraction",), ("ess",), ("entropy",),
+          ("eval/gain",), ("kl_to_ref",), ("loss_objective",), ("clip_fraction",), ("ess",), ("entropy",),
           ("response_length", "eval/response_length"), ("response_truncated_fraction", "eval/truncated_fraction"),
           ("grad_norm",)]
 SAMPLE_COLUMNS = ["step", "group", "row", "prompt", "reply", "reward"]
@@ -39,6 +40,7 @@ class RunLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
         self._samples_file = None  # opened at the first samples: a run that logs none gets no file
+        self._eval_scores_file = None  # likewise, at the first eval
         self._samples_table = None
         self.failed = False  # a write failed (and said so): closing then only lets go of the files
         self.wandb = None
@@ -75,6 +77,26 @@ class RunLogger:
                 self._samples_table.add_data(*(row[c] for c in SAMPLE_COLUMNS))
             self.wandb.log({"samples": self._samples_table}, step=step)
 
+    def log_eval_scores(self, step: int, scores: list[float]) -> None:
+        """Appends one eval's per-problem scores to ``eval_scores.jsonl``, in problem order (every eval of a run
+        scores the same problems): what ``first_eval_scores`` pairs later evals with."""
+        path = self.run_dir / "eval_scores.jsonl"
+        try:
+            if self._eval_scores_file is None:
+                self._eval_scores_file = open(path, "a", buffering=1)
+        except OSError as err:
+            raise self._failure(path, err) from err
+        self._write(self._eval_scores_file, json.dumps({"step": step, "scores": scores}) + "\n")
+
+    def first_eval_scores(self) -> tuple[int, list[float]] | None:
+        """The step and per-problem scores of this run dir's first eval (a resumed run's included), if any."""
+        path = self.run_dir / "eval_scores.jsonl"
+        if not path.exists():
+            return None
+        with open(path) as file:
+            first = json.loads(file.readline() or "null")  # a resumed run's file was cut to whole rows
+        return (first["step"], first["scores"]) if first else None
+
     def _write(self, file, text: str) -> None:
         try:
             file.write(text)
@@ -87,7 +109,7 @@ class RunLogger:
                            f"it writable), then resume={self.run_dir} continues from the run's last checkpoint.")
 
     def close(self, exit_code: int = 0) -> None:
-        for file in (self._file, self._samples_file):
+        for file in (self._file, self._samples_file, self._eval_scores_file):
             try:
                 if file is not None:
                     file.close()  # closed even when its flush fails
@@ -221,8 +243,10 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     fig, axes = plt.subplots(n_rows, cols, figsize=(12, 3 * n_rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         for name in panel:
-            pts = [(r["step"], r[name]) for r in rows if name in r and r[name] is not None]
-            ax.plot(*zip(*pts), marker="o" if name.startswith("eval/") else None, markersize=4, label=name)
+            pts = [(r["step"], r[name], r.get(f"{name}_stderr")) for r in rows if name in r and r[name] is not None]
+            steps, values, errors = zip(*pts)
+            ax.errorbar(steps, values, yerr=None if None in errors else errors, capsize=2,
+                        marker="o" if name.startswith("eval/") else None, markersize=4, label=name)
         ax.set_title(panel[0])
         ax.set_xlabel("step")
         if len(panel) > 1:

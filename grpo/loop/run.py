@@ -141,7 +141,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
            dedicated_inference: bool) -> Run:
     """The rest of the start, in the run dir this run holds: checks, models, optimiser, logger, restore."""
     if payload and not eval_only:  # its .hydra/ stays that of the command that started it (resume=auto's match)
-        for rows in ("metrics.jsonl", "samples.jsonl"):
+        for rows in ("metrics.jsonl", "samples.jsonl", "eval_scores.jsonl"):
             truncate_metrics(run_dir / rows, payload["step"])
         print(f"resuming from {last_checkpoint[1]} (step {payload['step']}) into {run_dir}", flush=True)
     elif (run_dir / "metrics.jsonl").exists():
