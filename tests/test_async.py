@@ -92,17 +92,20 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
                                                           "pending": list(range(consumed, consumed + 4))}
 
 
-def test_dynamic_sampling_trains_full_steps_and_consumes_every_batch_it_draws(tmp_path):
-    """Extra batches a step draws count as consumed like its first, so a resume skips them all."""
+@pytest.mark.parametrize("draw", [[], ["env.num_envs=32"]], ids=["step-sized batches", "batches twice a step"])
+def test_dynamic_sampling_trains_full_steps_and_consumes_every_batch_it_draws(tmp_path, draw):
+    """Extra batches a step draws count as consumed like its first, so a resume skips them all; so do the groups a
+    worker batch larger than the step holds beyond it (env.num_envs above train.dialog_turns_per_batch)."""
     proc = run_async(tmp_path, *EXACT, "train.total_steps=4", "train.dynamic_sampling=true",
-                     "train.max_extra_generation_batches=2")
+                     "train.max_extra_generation_batches=2", *draw)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(tmp_path)
     assert all(len(r["prompt_indices"]) == 16 // 4 for r in rows)  # full steps: 4 groups of 4
     trained = [i for r in rows for i in r["prompt_indices"]]
     assert len(trained) == len(set(trained))
     drawn = sum(1 + r["extra_generation_batches"] for r in rows)
-    assert drawn > len(rows), "the test needs steps that drew extra batches"
+    if not draw:
+        assert drawn > len(rows), "the test needs steps that drew extra batches"
     state = last_checkpoint(tmp_path)["prompt_stream"]
     assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(drawn))
 

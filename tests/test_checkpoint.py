@@ -20,6 +20,8 @@ from conftest import REPO, TINY_DATA, TINY_MODEL
 from conftest import compose, train_in_process
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.errors import ResumeError
+from grpo.tasks.data import PromptStream
+from grpo.tasks.envs import load_gsm8k
 from grpo.training import checkpoint
 from grpo.training.checkpoint import (list_checkpoints, load_checkpoint, load_latest_good, restore_training_state,
                                       save_checkpoint, training_state)
@@ -93,15 +95,24 @@ def eval_rows(run_dir):
     return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "eval/accuracy" in r]
 
 
-def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path):
-    """A step may draw several collections; the resumed run must start after the last one drawn."""
-    dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", CONSTANT_LR, "train.total_steps=4"]
+@pytest.mark.parametrize("draw", [[], ["env.num_envs=32"]], ids=["step-sized draws", "draws twice a step"])
+def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path, draw):
+    """A step may draw several collections; the resumed run must start after the last one drawn. A draw may also be
+    one generation batch larger than the step (env.num_envs above train.dialog_turns_per_batch)."""
+    dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", CONSTANT_LR, *draw,
+               "train.total_steps=4"]
     train_here(tmp_path / "straight", *dynamic)
     run(tmp_path / "half", *dynamic[:-1], "train.total_steps=2")
     run(tmp_path / "again", *dynamic, f"resume={tmp_path / 'half'}")
     a, b = step_rows(tmp_path / "straight"), step_rows(tmp_path / "half")
     assert sorted(b) == [1, 2, 3, 4]
-    assert sum(a[step]["extra_generation_batches"] for step in (1, 2)) > 0, "the test needs extra draws before the resume"
+    if draw:  # steps 1-3 drew once each, 8 prompts (stream batch k), and trained 4 of them; step 4 drew once more
+        stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
+        assert [a[k + 1]["extra_generation_batches"] for k in range(4)] == [0, 0, 0, 1]
+        assert all(len(a[k + 1]["prompt_indices"]) == 4 and set(a[k + 1]["prompt_indices"]) < set(stream.batch(k, 8))
+                   for k in range(3))
+    else:
+        assert sum(a[step]["extra_generation_batches"] for step in (1, 2)) > 0, "the test needs extra draws before the resume"
     for step in range(1, 5):
         for key in EXACT_KEYS + ["extra_generation_batches", "filtered_groups"]:
             assert a[step][key] == b[step][key], (step, key)

@@ -42,6 +42,8 @@ def test_every_key_has_a_comment(name):
     ("env.repeats=1", r"env.repeats=1.*at least 2.*env.repeats=4"),
     ("env.num_envs=12", r"env.num_envs=12 must be a multiple of env.repeats=8"),
     ("train.optim_batch_size=48", r"train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64"),
+    ("env.num_envs=128", r"train.dialog_turns_per_batch=64 must be a multiple of env.num_envs=128 \(or smaller than it "
+                         r"with train.dynamic_sampling=true"),
     ("train.micro_batch_tokens=0", r"train.micro_batch_tokens=0 must be a whole number >= 1 \(e.g. 16384\) or null"),
     ("train_model.checkpoint_fraction=1.5", r"train_model.checkpoint_fraction=1.5 must be in \[0, 1\]"),
     (("ray.address=auto", "ray.num_cpus=2"), r"ray.num_cpus=2 sizes a local Ray, but ray.address=auto joins a cluster.*"

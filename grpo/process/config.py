@@ -74,8 +74,11 @@ def validate_config(cfg) -> None:
     need(cfg.env.num_envs % cfg.env.repeats == 0, f"env.num_envs={cfg.env.num_envs} must be a multiple of "
          f"env.repeats={cfg.env.repeats} (whole groups are generated together); e.g. env.num_envs={4 * cfg.env.repeats}.")
     t = cfg.train
-    need(t.dialog_turns_per_batch % cfg.env.num_envs == 0, f"train.dialog_turns_per_batch={t.dialog_turns_per_batch} "
-         f"must be a multiple of env.num_envs={cfg.env.num_envs}.")
+    need(t.dialog_turns_per_batch % cfg.env.num_envs == 0 or (t.dynamic_sampling is True and
+                                                              cfg.env.num_envs > t.dialog_turns_per_batch),
+         f"train.dialog_turns_per_batch={t.dialog_turns_per_batch} must be a multiple of env.num_envs="
+         f"{cfg.env.num_envs} (or smaller than it with train.dynamic_sampling=true: each step then generates "
+         "env.num_envs replies and trains on the informative groups among them).")
     need(t.dialog_turns_per_batch % t.optim_batch_size == 0, f"train.optim_batch_size={t.optim_batch_size} must divide "
          f"train.dialog_turns_per_batch={t.dialog_turns_per_batch}.")
     need(t.optim_batch_size % t.gradient_accumulation_steps == 0, f"train.gradient_accumulation_steps="

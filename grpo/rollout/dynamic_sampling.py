@@ -9,6 +9,11 @@ dropped groups, so every step trains on the same number of replies (the LR sched
 Groups beyond a full step are dropped; their prompt batches count as consumed like the rest, so a
 resumed run draws exactly what an uninterrupted one would.
 
+A draw may also be one generation batch larger than the step (``env.num_envs`` above
+``train.dialog_turns_per_batch``): decoding is bound by per-token latency at these batch sizes, so
+twice the replies cost far less than a second batch (1.5B on an H100: 128 rows decode in 1.28x the
+time of 64, benchmarks/README.md), and about half the groups of a real model's batch are informative.
+
 Rewards are compared as the env gave them, before any KL or overlong shaping.
 """
 
@@ -18,6 +23,12 @@ from collections.abc import Callable
 
 from grpo.rollout.replies import Replies
 from grpo.training.batch import group_ids
+
+
+def env_batches_per_draw(cfg) -> int:
+    """The env batches (``env.num_envs`` replies each) one draw takes: enough for a step's replies, so one when a
+    batch holds more than a step (dynamic sampling only: ``grpo.process.config`` checks it)."""
+    return -(-cfg.train.dialog_turns_per_batch // cfg.env.num_envs)
 
 
 def reply_groups(replies: Replies) -> list[list[int]]:

@@ -27,6 +27,7 @@ from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
 from grpo.process.errors import UserError
 from grpo.process.world import World
+from grpo.rollout.dynamic_sampling import env_batches_per_draw
 from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, data_primer, serve_from
 from grpo.tasks.envs import make_collector, make_env
@@ -45,7 +46,7 @@ class CollectorRollouts:
         world.lead("rollouts", start)  # the other ranks build theirs, from the batch rank 0's ledger says
         serve_from(env, collector, start)  # the collector then draws batch after batch
         self.batches = iter(collector)
-        self.batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
+        self.batches_per_step = env_batches_per_draw(cfg)
         self.taken: list[int] = []  # the prompt batches this step's collections drew
         self.generation_s = self.slowest_rank_s = 0.0
         self.engines_mismatched = 0

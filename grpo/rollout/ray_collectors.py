@@ -31,6 +31,7 @@ from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.errors import UserError
 from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share
 from grpo.process.setup import raise_if_stop_signalled, ray_pythonpath
+from grpo.rollout.dynamic_sampling import env_batches_per_draw
 from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, serve_from
 from grpo.tasks.user_rewards import take_reward_seconds
@@ -133,7 +134,7 @@ class RolloutPool:
                  version: int):
         """``weights``: what the workers start from (``Trainer.engine_weights``)."""
         self.cfg, self.ledger = cfg, ledger
-        self.batches_per_step = cfg.train.dialog_turns_per_batch // cfg.env.num_envs
+        self.batches_per_step = env_batches_per_draw(cfg)
         self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
         self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
         on_gpus = devices[0].type == "cuda"
