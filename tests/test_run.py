@@ -50,14 +50,15 @@ def files_and_hashes(folder):
 
 def test_a_finished_run_ends_with_its_summary(finished_tiny_run):
     run_dir = finished_tiny_run.run_dir
-    (step0, first), (step2, last) = [(r["step"], r["eval/accuracy"]) for r in read_metrics(run_dir / "metrics.jsonl")
-                                     if "eval/accuracy" in r]
+    (step0, first, _), (step2, last, row) = [(r["step"], r["eval/accuracy"], r)
+                                             for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
     best = f"{last:.3f} (step 2)" if last > first else f"{first:.3f} (step 0)"
+    gain = f"{100 * row['eval/gain']:+.1f} ± {100 * row['eval/gain_stderr']:.1f} points since step 0"
     checkpoint = run_dir / "checkpoints" / "step_00000002.json"
     assert (step0, step2) == (0, 2)
     assert finished_tiny_run.stdout.endswith("\n".join([
         f"run finished: {run_dir}",
-        f"  eval accuracy  first {first:.3f} (step 0) -> best {best} -> last {last:.3f} (step 2)",
+        f"  eval accuracy  first {first:.3f} (step 0) -> best {best} -> last {last:.3f} (step 2): {gain}",
         f"  metrics        {run_dir / 'metrics.jsonl'}, {run_dir / 'metrics.png'}",
         f"  checkpoint     {checkpoint} (resume={run_dir} continues from it)",
         f"  export         {run_dir / 'export'} (transformers' from_pretrained and vllm serve load it)",

@@ -66,11 +66,14 @@ class RunRecords:
     def summary(self, ended: str) -> str:
         """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""
         run_dir = self.run_dir
-        evals = [(row["step"], row["eval/accuracy"]) for row in read_metrics(run_dir / "metrics.jsonl")
-                 if "eval/accuracy" in row]
+        rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in row]
+        evals = [(row["step"], row["eval/accuracy"]) for row in rows]
         if evals:
             marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
             accuracy = " -> ".join(f"{mark} {acc:.3f} (step {step})" for mark, (step, acc) in marks.items())
+            if "eval/gain" in rows[-1]:  # the last against the first, on the same problems: its paired error
+                accuracy += (f": {100 * rows[-1]['eval/gain']:+.1f} ± {100 * rows[-1]['eval/gain_stderr']:.1f} points "
+                             f"since step {rows[-1]['eval/gain_since_step']}")
         else:
             accuracy = "no eval ran"
         plot = run_dir / "metrics.png"
