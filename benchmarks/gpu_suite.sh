@@ -37,10 +37,11 @@ bench_vs_trl() {
   echo "== $name rc=$?"; grep -v "^\[" "$OUT/$name.log" | tail -28
 }
 
-# the default job on a random-init shape, both scripts: job SHAPE TIMEOUT
+# the default job on a random-init shape, both scripts: job SHAPE TIMEOUT. Random-init models score 0 on every reply:
+# dynamic sampling is off in these speed runs, which would otherwise draw every extra generation batch it may
 job() {
   timeout "$2" python3 benchmarks/bench_sync_async.py --config-name grpo_gsm8k --random-init-shape "qwen2.5-$1" --steps 5 \
-    --warmup 2 --out "$OUT/job_$1.json" -- env.dataset=data/gsm8k_tiny inference_model.backend=transformers \
+    --warmup 2 --out "$OUT/job_$1.json" -- env.dataset=data/gsm8k_tiny inference_model.backend=transformers train.dynamic_sampling=false \
     "train_model.devices=[0]" "inference_model.devices=[1]" train.optim_batch_size=128 train.buffer_size=0 \
     train.max_policy_lag=2 eval.num_problems=16 eval.max_new_tokens=16 logging.export=false > "$OUT/job_$1.log" 2>&1
   echo "== job_$1 rc=$?"; grep -v "^\[" "$OUT/job_$1.log" | tail -12
@@ -114,7 +115,7 @@ for part in $PARTS; do
     ranks_15b)
       build qwen2.5-1.5b /tmp/q15
       timeout 420 python3 grpo/grpo.py train.total_steps=4 model.name=/tmp/q15 env.dataset=data/gsm8k_tiny \
-        inference_model.backend=transformers train_model.num_devices=2 inference_model.num_devices=2 \
+        inference_model.backend=transformers train.dynamic_sampling=false train_model.num_devices=2 inference_model.num_devices=2 \
         inference_model.colocate=true eval.frequency=0 eval.num_problems=16 eval.max_new_tokens=16 logger=none \
         logging.progress_bar=false logging.export=false "hydra.run.dir=$OUT/ranks_15b" \
         > "$OUT/ranks_15b.log" 2>&1

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The real-size runs of issue 15 on one lent GPU (H100/H200; transformers backend, no vLLM there).
 #   default_1p5b   the DEFAULT grpo_gsm8k config, 4 steps, with a random-init Qwen2.5-1.5B-shape model
-#                  and the shipped data/gsm8k_tiny swapped in (backend transformers: nothing else changed)
+#                  and the shipped data/gsm8k_tiny swapped in (backend transformers), and one generation batch
+#                  a step: a random-init model scores 0 on every reply, so dynamic sampling (the default) would
+#                  draw train.max_extra_generation_batches more every step
 #   smollm_ifeval  real SmolLM2-135M-Instruct on the IFEval-format prompts of data/ifeval_tiny, 40 steps
 #   smollm_gsm8k   real SmolLM2 on real GSM8K rows (grpo_smollm: 1,000 train / 319 held out), 100 steps
 # Each run's metrics.jsonl is summarised by benchmarks/summarize_run.py.
@@ -33,7 +35,7 @@ from pathlib import Path
 from bench_vs_trl import build_random_init_model
 build_random_init_model('qwen2.5-1.5b', 'assets/tiny-model', Path('$KEEP/q15'), seed=0)" > /dev/null
       run default_1p5b 470 model.name="$KEEP/q15" env.dataset=data/gsm8k_tiny inference_model.backend=transformers \
-        train.total_steps=4 ;;
+        train.total_steps=4 train.dynamic_sampling=false ;;
     smollm_ifeval)  # IFEVAL_EXTRA: more overrides, IFEVAL_NAME: its run name
       run "${IFEVAL_NAME:-smollm_ifeval}" 560 --config-name grpo_ifeval_tiny model.name="$SMOLLM" env.repeats=8 env.num_envs=64 \
         train.dialog_turns_per_batch=64 train.optim_batch_size=32 inference_model.max_new_tokens=96 \
