@@ -54,6 +54,14 @@ def gain_since(first: tuple[int, list[float]] | None, scores: list[float]) -> di
             "eval/gain_since_step": first[0]}
 
 
+def gain_text(row: dict) -> str:
+    """``+9.0 ± 2.1 points since step 0``: an eval row's gain, as ``gain_since`` gave it ("" where it has none)."""
+    if "eval/gain" not in row:
+        return ""
+    return (f"{100 * row['eval/gain']:+.1f} ± {100 * row['eval/gain_stderr']:.1f} points since step "
+            f"{row['eval/gain_since_step']}")
+
+
 # shown on the console after eval/accuracy where the task reports them (all of them in metrics.jsonl)
 EVAL_SHOWN = ("eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate", "eval/truncated_fraction")
 
@@ -80,8 +88,7 @@ class Evaluator:
         logger.log({"step": step, **result, "eval/time_s": time.perf_counter() - t0})
         logger.log_eval_scores(step, scores)
         shown = "".join(f" {name.removeprefix('eval/')} {result[name]:.3f}" for name in EVAL_SHOWN if name in result)
-        gain = (f", {100 * result['eval/gain']:+.1f} ± {100 * result['eval/gain_stderr']:.1f} points since step "
-                f"{result['eval/gain_since_step']} (same problems)" if "eval/gain" in result else "")
+        gain = f", {gain_text(result)} (same problems)" if "eval/gain" in result else ""
         tqdm.write(f"step {step}: eval accuracy {result['eval/accuracy']:.3f} ± {result['eval/accuracy_stderr']:.3f} "
                    f"({result['eval/num_problems']} problems){gain}{shown}, "
                    f"reply length {result['eval/response_length']:.0f}")

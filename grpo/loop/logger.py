@@ -61,11 +61,8 @@ class RunLogger:
         """Replies to read (``reply_samples``' rows): appended to ``samples.jsonl``, printed in short, and added
         to the wandb table ``samples``."""
         rows = [{"step": step, **sample} for sample in samples]
-        try:
-            if self._samples_file is None:
-                self._samples_file = open(self.run_dir / "samples.jsonl", "a", buffering=1)
-        except OSError as err:
-            raise self._failure(self.run_dir / "samples.jsonl", err) from err
+        if self._samples_file is None:
+            self._samples_file = self._open_for_append("samples.jsonl")
         self._write(self._samples_file, "".join(json.dumps(row) + "\n" for row in rows))
         tqdm.write("\n".join(console_lines(step, rows)))
         if self.wandb is not None:
@@ -80,12 +77,8 @@ class RunLogger:
     def log_eval_scores(self, step: int, scores: list[float]) -> None:
         """Appends one eval's per-problem scores to ``eval_scores.jsonl``, in problem order (every eval of a run
         scores the same problems): what ``first_eval_scores`` pairs later evals with."""
-        path = self.run_dir / "eval_scores.jsonl"
-        try:
-            if self._eval_scores_file is None:
-                self._eval_scores_file = open(path, "a", buffering=1)
-        except OSError as err:
-            raise self._failure(path, err) from err
+        if self._eval_scores_file is None:
+            self._eval_scores_file = self._open_for_append("eval_scores.jsonl")
         self._write(self._eval_scores_file, json.dumps({"step": step, "scores": scores}) + "\n")
 
     def first_eval_scores(self) -> tuple[int, list[float]] | None:
@@ -96,6 +89,14 @@ class RunLogger:
         with open(path) as file:
             first = json.loads(file.readline() or "null")  # a resumed run's file was cut to whole rows
         return (first["step"], first["scores"]) if first else None
+
+    def _open_for_append(self, name: str):
+        """The run dir's file ``name``, line-buffered for appending (each row reaches the disk as it is written)."""
+        path = self.run_dir / name
+        try:
+            return open(path, "a", buffering=1)
+        except OSError as err:
+            raise self._failure(path, err) from err
 
     def _write(self, file, text: str) -> None:
         try:

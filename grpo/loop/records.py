@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from grpo.export import export_model
+from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
 from grpo.training import checkpoint as ckpt
 
@@ -72,8 +73,7 @@ class RunRecords:
             marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
             accuracy = " -> ".join(f"{mark} {acc:.3f} (step {step})" for mark, (step, acc) in marks.items())
             if "eval/gain" in rows[-1]:  # the last against the first, on the same problems: its paired error
-                accuracy += (f": {100 * rows[-1]['eval/gain']:+.1f} ± {100 * rows[-1]['eval/gain_stderr']:.1f} points "
-                             f"since step {rows[-1]['eval/gain_since_step']}")
+                accuracy += f": {gain_text(rows[-1])}"
         else:
             accuracy = "no eval ran"
         plot = run_dir / "metrics.png"
