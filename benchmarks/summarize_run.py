@@ -13,7 +13,8 @@ from pathlib import Path
 
 SPLIT = ("step_time_s", "generation_s", "reference_s", "train_s", "weight_sync_s")
 WATCH = ("reward", "success_rate", "kl_to_ref", "kl_to_inference_pre_update", "clip_fraction", "grad_norm",
-         "response_length", "response_length_max", "response_truncated_fraction", "gpu_peak_memory_gb")
+         "response_length", "response_length_max", "response_truncated_fraction", "gpu_peak_memory_gb",
+         "graphs_compiled")
 
 
 def summarize(run_dir: Path, skip_first: int) -> dict:
