@@ -1,6 +1,7 @@
 """Async GRPO: bounded staleness, weights reaching the workers, and a prompt stream that survives
 kills, SIGTERM and dead workers: each prompt batch trained as often as in an uninterrupted run."""
 
+import contextlib
 import json
 import os
 import random
@@ -163,14 +164,21 @@ def worker_pids(proc) -> list[int]:
     return [p for p in pids if p in descendants(proc.pid)]
 
 
-def start(run_dir, *overrides, after_steps=1) -> subprocess.Popen:
-    """An async run, once it has logged ``after_steps`` training steps."""
-    proc = subprocess.Popen(command(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+@contextlib.contextmanager
+def killed_on_failure(proc):
+    """Kill ``proc`` if the block fails: a failed wait or check must not leave a run and its workers behind."""
     try:
-        wait_for_steps(proc, run_dir, after_steps)
+        yield
     except BaseException:
         proc.kill()
         raise
+
+
+def start(run_dir, *overrides, after_steps=1) -> subprocess.Popen:
+    """An async run, once it has logged ``after_steps`` training steps."""
+    proc = subprocess.Popen(command(run_dir, *overrides), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with killed_on_failure(proc):
+        wait_for_steps(proc, run_dir, after_steps)
     return proc
 
 
@@ -210,11 +218,8 @@ def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt
                f"resume={tmp_path}"]
     proc = subprocess.Popen(command(tmp_path / "again", *resumed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    try:
+    with killed_on_failure(proc):
         wait_for_steps(proc, tmp_path, stopped + 1)  # the resumed run's rows go to the run it continues
-    except BaseException:
-        proc.kill()
-        raise
     time.sleep(random.Random(os.getpid()).uniform(0, 0.5))  # land anywhere inside a step
     tree = [proc.pid, *descendants(proc.pid)]
     for pid in tree:  # the machine going away: trainer, Ray and workers at once
@@ -236,13 +241,10 @@ def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoin
     assert first, "no rollout worker process of this run found"
     for pid in first:
         os.kill(pid, signal.SIGKILL)
-    try:
+    with killed_on_failure(proc):
         wait_for_steps(proc, tmp_path, len(step_rows(tmp_path)) + 2)  # trained on, past the killed worker's batches
         replaced = worker_pids(proc)
         assert replaced and not set(replaced) & set(first), (first, replaced)
-    except BaseException:
-        proc.kill()
-        raise
     assert step_rows(tmp_path)[-1]["worker_restarts"] == 1
     for pid in replaced:
         os.kill(pid, signal.SIGKILL)
