@@ -38,12 +38,18 @@ class RunRecords:
         self.last_checkpoint = last_checkpoint
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
+        self.graphs_before = 0  # graphs_compiled() when the step started
+
+    def start_step(self) -> float:
+        """A step begins: its clock (``log_step``'s ``t0``) and the compile count its row is measured from."""
         self.graphs_before = graphs_compiled()
+        return time.perf_counter()
 
     def log_step(self, step: int, metrics: dict, t0: float) -> None:
         metrics["step_time_s"] = time.perf_counter() - t0
-        # a step that compiled says so: the real 0.5B's train part took 11-12 s instead of 1.5 s on 2 of 8 steps
-        metrics["graphs_compiled"], self.graphs_before = graphs_compiled() - self.graphs_before, graphs_compiled()
+        # a step that compiled says so (an eval's compiles fall between steps, in neither): the real 0.5B's train
+        # part took 11-12 s instead of 1.5 s on 2 of 8 steps
+        metrics["graphs_compiled"] = graphs_compiled() - self.graphs_before
         if self.gpu_ids and torch.cuda.is_initialized():
             # this step's peak over the GPUs this process uses (generation usually sets it)
             metrics["gpu_peak_memory_gb"] = max(torch.cuda.max_memory_allocated(i) for i in self.gpu_ids) / 2**30

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,7 +253,7 @@ def train_loop(run: Run, source) -> Run:
         with guard(run, source):
             run.evaluate_if_due(force=True)
             for step in steps(run):
-                t0 = time.perf_counter()
+                t0 = run.records.start_step()
                 # one collection; with dynamic sampling, more until every group trained has distinct rewards
                 rollouts, filtering = draw_step_batch(
                     lambda: source.next_rollouts(run.trainer.policy_version), cfg.train.dialog_turns_per_batch,
