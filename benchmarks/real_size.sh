@@ -6,12 +6,19 @@
 #                  draw train.max_extra_generation_batches more every step
 #   smollm_ifeval  real SmolLM2-135M-Instruct on the IFEval-format prompts of data/ifeval_tiny, 40 steps
 #   smollm_gsm8k   real SmolLM2 on real GSM8K rows (grpo_smollm: 1,000 train / 319 held out), 100 steps
+#   profile_1p5b   default_1p5b with step 3 recorded by torch.profiler (profile_step3.txt in its run dir): where
+#                  the step's time goes, GPU and host (cProfile makes the first step's compiling too slow to wait for)
+#   q05_lengths    real Qwen2.5-Coder-0.5B-Instruct (grpo_qwen05b, QWEN05: its folder), one generation batch a step,
+#                  6 steps each with replies capped at 512 and at 128 tokens: the step and its train part against
+#                  the real token count (issue 32)
+#   q05_draws      the same model and recipe as is (dynamic sampling), 8 steps each with draws of 128 and of 256
 # Each run's metrics.jsonl is summarised by benchmarks/summarize_run.py.
-# Usage: KEEP=/root/keep SMOLLM=/path/model GSM8K_REAL=/path/data bash benchmarks/real_size.sh PART...
+# Usage: KEEP=/root/keep SMOLLM=/path/model GSM8K_REAL=/path/data QWEN05=/path/model bash benchmarks/real_size.sh PART...
 set -uo pipefail
 KEEP=${KEEP:-/tmp/real_size}
 SMOLLM=${SMOLLM:-assets/smollm2-135m-instruct}
 GSM8K_REAL=${GSM8K_REAL:-data/gsm8k_real}
+QWEN05=${QWEN05:-assets/qwen2.5-coder-0.5b-instruct}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 mkdir -p "$KEEP/runs"
 common=(logger=none logging.progress_bar=false)
@@ -26,16 +33,33 @@ run() {  # run NAME TIMEOUT grpo.py-args...: the run dir is $KEEP/runs/NAME
   head -c 6000 "$KEEP/runs/$name.summary.txt"
 }
 
-for part in "$@"; do
-  case $part in
-    default_1p5b)
-      [ -f "$KEEP/q15/config.json" ] || python3 -c "
+random_init_1p5b() {  # the random-init Qwen2.5-1.5B shape, built once into $KEEP/q15
+  [ -f "$KEEP/q15/config.json" ] || python3 -c "
 import sys; sys.path.insert(0, 'benchmarks')
 from pathlib import Path
 from bench_vs_trl import build_random_init_model
 build_random_init_model('qwen2.5-1.5b', 'assets/tiny-model', Path('$KEEP/q15'), seed=0)" > /dev/null
-      run default_1p5b 470 model.name="$KEEP/q15" env.dataset=data/gsm8k_tiny inference_model.backend=transformers \
-        train.total_steps=4 train.dynamic_sampling=false ;;
+}
+default_1p5b=(model.name="$KEEP/q15" env.dataset=data/gsm8k_tiny inference_model.backend=transformers
+              train.total_steps=4 train.dynamic_sampling=false)
+q05=(--config-name grpo_qwen05b model.name="$QWEN05" env.dataset="$GSM8K_REAL" eval.frequency=0 train.checkpoint_frequency=0
+     logging.export=false)
+
+for part in "$@"; do
+  case $part in
+    default_1p5b)
+      random_init_1p5b
+      run default_1p5b 470 "${default_1p5b[@]}" ;;
+    profile_1p5b)
+      random_init_1p5b
+      run profile_1p5b 470 "${default_1p5b[@]}" logging.profile_step=3
+      head -40 "$KEEP/runs/profile_1p5b/profile_step3.txt" ;;
+    q05_lengths)
+      run q05_cap512 300 "${q05[@]}" train.total_steps=6 train.dynamic_sampling=false
+      run q05_cap128 300 "${q05[@]}" train.total_steps=6 train.dynamic_sampling=false inference_model.max_new_tokens=128 ;;
+    q05_draws)
+      run q05_draw128 300 "${q05[@]}" train.total_steps=8
+      run q05_draw256 300 "${q05[@]}" train.total_steps=8 env.num_envs=256 ;;
     smollm_ifeval)  # IFEVAL_EXTRA: more overrides, IFEVAL_NAME: its run name
       run "${IFEVAL_NAME:-smollm_ifeval}" 560 --config-name grpo_ifeval_tiny model.name="$SMOLLM" env.repeats=8 env.num_envs=64 \
         train.dialog_turns_per_batch=64 train.optim_batch_size=32 inference_model.max_new_tokens=96 \
