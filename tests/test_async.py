@@ -125,8 +125,10 @@ def test_vllm_backend_with_two_workers_runs_and_every_push_is_read_back_from_the
     # a worker applies the latest push before each batch (7 of 8 steps' batches here): each matched the trainer's
     assert rows[-1]["weight_pushes_verified"] >= steps // 2 and rows[-1]["weight_pushes_mismatched"] == 0
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
-    # both workers generate with newer weights as training goes on, never more than max_policy_lag behind
-    assert all(r["policy_lag_max"] <= 2 for r in rows) and rows[-1]["collector_version_min"] >= 1
+    # trained batches are never more than max_policy_lag behind, so by step 8 they come from pushed weights; which
+    # worker delivers them is timing: on the loaded 2-core CI machine one worker's last batch taken by step 8 was
+    # still one generated at version 0 (collector_version_min 0), so nothing is asserted of each worker
+    assert all(r["policy_lag_max"] <= 2 for r in rows)
     vllm_info = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search(r"pid=\d+\) INFO ", line)]
     assert not vllm_info, vllm_info[:5]
     assert "Failed to load weights" not in proc.stdout + proc.stderr  # a rotary embedding's, at every push
