@@ -62,7 +62,7 @@ def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed:
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     model = load_policy_model(cfg, tok, torch.device("cpu"))
-    sampler = ReplySampler(model, compile=False, cache_bucket=64)
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
     never = [tok.vocab_size + 1000]  # a stop id no token has
     policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(
         EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=max_new_tokens, stop_ids=never))

@@ -9,7 +9,12 @@ prompts (``--prompts-per-batch`` questions x the rest as repeats, as a rollout b
 with the rollout settings (temperature 1, top_k/top_p off) by:
 
 * ``hf``: ``model.generate`` as TorchRL's wrapper calls it (``output_logits``: full logits per token);
-* ``ours``: ``grpo.inference.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch).
+* ``ours``: ``grpo.inference.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch);
+* ``compact``: the same with ``compact_rows`` (rows whose reply ended leave the batch, which halves).
+
+A random-init model never stops on its own: every reply runs to ``--max-new-tokens``. ``--mean-reply N``
+makes replies end as real ones do, at spread lengths: about one token in N (``vocab / N`` random token ids)
+stops a reply, since a random-init model's next-token distribution is close to uniform.
 
 After one warm-up call (which pays compilation), ``--calls`` timed calls give generated tokens/s
 (tokens up to each reply's end), the decode bound (batch x memory bandwidth / bytes of weights:
@@ -43,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts-per-batch", type=int, default=16, help="distinct questions per batch (rest: repeats)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap")
     p.add_argument("--calls", type=int, default=2, help="timed calls per variant, after one warm-up call")
-    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours")
+    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, compact")
+    p.add_argument("--mean-reply", type=int, default=0, help="replies end after about this many tokens (0: never)")
     p.add_argument("--cache-bucket", type=int, default=128, help="ours: KV cache length rounding (inference_model.cache_bucket)")
     p.add_argument("--profile", action="store_true", help="ours: print the GPU kernels of one more call (torch.profiler)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -126,6 +132,10 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_causal_lm(str(model_dir), tok, dtype=dtype, device=device).eval().requires_grad_(False)
     stop_ids = stop_token_ids(tok, model.generation_config)
+    if args.mean_reply:
+        vocab = model.config.get_text_config().vocab_size
+        drawn = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:vocab // args.mean_reply]
+        stop_ids = sorted(set(stop_ids) | set(drawn.tolist()))
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     text = model.config.get_text_config()
     kv_bytes_per_token = (2 * text.num_hidden_layers * text.num_key_value_heads
@@ -141,7 +151,8 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
                 call = lambda: model.generate(input_ids=input_ids, attention_mask=attention_mask,  # noqa: E731
                                               output_logits=True, return_dict_in_generate=True, **options)
             else:
-                sampler = ReplySampler(model, compile=True, cache_bucket=args.cache_bucket)
+                sampler = ReplySampler(model, compile=True, cache_bucket=args.cache_bucket,
+                                       compact_rows=variant == "compact")
                 call = lambda: sampler.generate(input_ids, attention_mask, **options)  # noqa: E731
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             t0 = time.perf_counter()
@@ -165,10 +176,11 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
                    "tokens_per_s": round(tokens / seconds, 1), "weights_gb": round(weight_bytes / 1e9, 3)}
             if bandwidth:  # before the log-prob check below, whose full-vocabulary forward is not generation
                 row["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
-            if variant == "ours":
+            if variant != "hf":
+                row["decode_batches"] = sampler.batch_sizes  # of the last call
                 row["kv_cache_gb"] = round(sampler.kv_cache(batch, 1)[0] * batch * kv_bytes_per_token / 1e9, 3)
                 row["log_prob_gap"] = log_prob_gap(model, out, input_ids, attention_mask, tok.pad_token_id)
-            if args.profile and variant == "ours" and device.type == "cuda":
+            if args.profile and variant != "hf" and device.type == "cuda":
                 print_kernel_profile(call)
             if bandwidth:
                 row["bound_tokens_per_s"] = round(batch * bandwidth / weight_bytes)
@@ -190,7 +202,7 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2) if bandwidth else None,
-              "max_new_tokens": args.max_new_tokens, "calls": args.calls}
+              "max_new_tokens": args.max_new_tokens, "mean_reply": args.mean_reply, "calls": args.calls}
     print(json.dumps(header), flush=True)
     rows = [row for shape in args.shapes.split(",") for row in run_shape(args, shape, bandwidth)]
     print(f"\n{'shape':<14}{'batch':>6} {'variant':<8}{'tokens/s':>10}{'% bound':>9}{'peak GB':>9}"
@@ -203,9 +215,10 @@ def main(argv=None) -> None:
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for batch in dict.fromkeys(r["batch"] for r in rows):
             pair = {r["variant"]: r for r in rows if r["shape"] == shape and r["batch"] == batch}
-            if {"hf", "ours"} <= set(pair):
-                print(f"{shape} batch {batch}: ours/hf tokens/s = "
-                      f"{pair['ours']['tokens_per_s'] / pair['hf']['tokens_per_s']:.2f}x")
+            for variant, base in (("ours", "hf"), ("compact", "ours")):
+                if {variant, base} <= set(pair):
+                    print(f"{shape} batch {batch}: {variant}/{base} tokens/s = "
+                          f"{pair[variant]['tokens_per_s'] / pair[base]['tokens_per_s']:.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=2))
 

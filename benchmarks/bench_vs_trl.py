@@ -218,7 +218,8 @@ class GreedyEvaluator:
         model.eval()
         # the same eager decode loop for both sides' models: equal footing, nothing to compile
         stop_ids = stop_token_ids(self.tokenizer, model.generation_config)
-        policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=128), self.tokenizer,
+        sampler = ReplySampler(model, compile=False, cache_bucket=128, compact_rows=True)
+        policy = make_transformers_policy(sampler, self.tokenizer,
                                           gen_kwargs={"max_new_tokens": self.max_new_tokens, "do_sample": False,
                                                       "eos_token_id": stop_ids, "pad_token_id": self.tokenizer.pad_token_id})
         t0 = time.perf_counter()

@@ -12,6 +12,9 @@
 #                  6 steps each with replies capped at 512 and at 128 tokens: the step and its train part against
 #                  the real token count (issue 32)
 #   q05_draws      the same model and recipe as is (dynamic sampling), 8 steps each with draws of 128 and of 256
+#   q05_compact    the same model, one generation batch a step, 8 steps each with inference_model.compact_rows off and
+#                  on (rows whose reply ended leave the decode batch), then bench_generation.py's random-init 0.5B and
+#                  1.5B shapes x 128 with replies ending after ~300 tokens (--mean-reply 300), ours against compact
 # Each run's metrics.jsonl is summarised by benchmarks/summarize_run.py.
 # Usage: KEEP=/root/keep SMOLLM=/path/model GSM8K_REAL=/path/data QWEN05=/path/model bash benchmarks/real_size.sh PART...
 set -uo pipefail
@@ -60,6 +63,11 @@ for part in "$@"; do
     q05_draws)
       run q05_draw128 300 "${q05[@]}" train.total_steps=8
       run q05_draw256 300 "${q05[@]}" train.total_steps=8 env.num_envs=256 ;;
+    q05_compact)
+      run q05_whole_batch 300 "${q05[@]}" train.total_steps=8 train.dynamic_sampling=false inference_model.compact_rows=false
+      run q05_compacted 300 "${q05[@]}" train.total_steps=8 train.dynamic_sampling=false inference_model.compact_rows=true
+      timeout 400 python3 benchmarks/bench_generation.py --shapes qwen2.5-0.5b,qwen2.5-1.5b --batches 128 \
+        --variants ours,compact --mean-reply 300 --out "$KEEP/runs/bench_compact.json" ;;
     smollm_ifeval)  # IFEVAL_EXTRA: more overrides, IFEVAL_NAME: its run name
       run "${IFEVAL_NAME:-smollm_ifeval}" 560 --config-name grpo_ifeval_tiny model.name="$SMOLLM" env.repeats=8 env.num_envs=64 \
         train.dialog_turns_per_batch=64 train.optim_batch_size=32 inference_model.max_new_tokens=96 \

@@ -412,7 +412,8 @@ def test_the_length_check_counts_prompts_as_the_policy_sees_them(config_name, mo
     cfg = compose(config_name, overrides)
     tokenizer = load_tokenizer(cfg.model.name)
     env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=1, num_envs=1)
-    sampler = ReplySampler(load_policy_model(cfg, tokenizer, torch.device("cpu")), compile=False, cache_bucket=64)
+    sampler = ReplySampler(load_policy_model(cfg, tokenizer, torch.device("cpu")), compile=False, cache_bucket=64,
+                           compact_rows=True)
     policy = make_transformers_policy(sampler, tokenizer, gen_kwargs={
         "max_new_tokens": 1, "do_sample": False, "eos_token_id": [tokenizer.eos_token_id],
         "pad_token_id": tokenizer.pad_token_id})

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from grpo.inference.decoding import ReplySampler, decode_attention, sample_tokens
+from grpo.inference.decoding import ReplySampler, compacted_size, decode_attention, sample_tokens
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 12 apples and buys 30 more. How many apples does he have now?",
@@ -15,11 +15,11 @@ QUESTIONS = ["What is 2 + 3?", "Tom has 12 apples and buys 30 more. How many app
 def tiny(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
-    return tok, model, ReplySampler(model, compile=False, cache_bucket=64)
+    return tok, model, ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
 
 
-def prompts(tok):
-    chats = [[{"role": "user", "content": q}] for q in QUESTIONS]
+def prompts(tok, questions=QUESTIONS):
+    chats = [[{"role": "user", "content": q}] for q in questions]
     enc = tok.apply_chat_template(chats, add_generation_prompt=True, return_tensors="pt", padding=True,
                                   padding_side="left", return_dict=True)
     return enc["input_ids"], enc["attention_mask"]
@@ -111,7 +111,7 @@ def test_decode_attention_equals_sdpa_with_grouped_heads_and_padding():
 
 def test_kv_cache_is_sized_to_the_batch_and_only_grows(tiny):
     tok, model, _ = tiny
-    sampler = ReplySampler(model, compile=False, cache_bucket=64)
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
     ids, mask = prompts(tok)
     sampler.generate(ids, mask, **options(tok, model, max_new_tokens=8))
     slots, first = sampler.kv_cache(len(ids), 1)
@@ -129,17 +129,71 @@ def test_unknown_generate_options_are_refused(tiny):
         sampler.generate(ids, mask, **options(tok, model), repetition_penalty=1.2)
 
 
-def test_building_a_decode_step_leaves_the_random_stream_alone(tiny):
+@pytest.mark.parametrize("batch", ["4 rows", "64 rows, compacted"])
+def test_building_a_decode_step_leaves_the_random_stream_alone(tiny, batch):
     """A resumed run builds its decode step at another step than an uninterrupted one: building must
-    not shift the samples that follow (it runs the step once, which samples)."""
+    not shift the samples that follow (it runs the step once, which samples); so must building the steps
+    of a compacted batch in the middle of a reply."""
     tok, model, _ = tiny
-    ids, mask = prompts(tok)
-    fresh = ReplySampler(model, compile=False, cache_bucket=64)
+    ids, mask, extra = (*prompts(tok), {}) if batch == "4 rows" else spread_out_replies(tok, model)
+    fresh = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
     torch.manual_seed(1)
-    first = fresh.generate(ids, mask, **options(tok, model))["sequences"]  # builds, then samples
+    first = fresh.generate(ids, mask, **options(tok, model, **extra))["sequences"]  # builds, then samples
+    assert len(fresh.batch_sizes) == (1 if batch == "4 rows" else 3)
     torch.manual_seed(1)
-    again = fresh.generate(ids, mask, **options(tok, model))["sequences"]  # already built
+    again = fresh.generate(ids, mask, **options(tok, model, **extra))["sequences"]  # already built
     assert torch.equal(first, again)
+
+
+def spread_out_replies(tok, model):
+    """64 prompts whose replies end at lengths from 1 to ~20 tokens (cap 48): the tiny model rarely writes its eos,
+    so the token "The", which it writes early in some replies and late in others, stops them too."""
+    ids, mask = prompts(tok, [f"What is {a} + {b}?" for a in range(8) for b in range(8)])
+    stop_ids = stop_token_ids(tok, model.generation_config) + tok.convert_tokens_to_ids(["The"])
+    return ids, mask, {"eos_token_id": stop_ids, "max_new_tokens": 48}
+
+
+def test_rows_that_ended_leave_the_batch_and_the_replies_stay_the_same(tiny):
+    """Greedy replies of 64 prompts: at each stop check the rows still decoding move to the smallest halving of
+    the batch that holds them (64 -> 32 -> 16 here), and every reply is token for token what the whole batch
+    writes, with the same log-probs; also when a smaller batch's cache, grown by an earlier call, has more slots."""
+    tok, model, _ = tiny
+    ids, mask, extra = spread_out_replies(tok, model)
+    outs = {}
+    for compact in (False, True):
+        sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=compact)
+        if compact:
+            sampler.generate(ids[:32], mask[:32], **options(tok, model, do_sample=False, max_new_tokens=160))
+            assert sampler.kv_cache(32, 1)[0] > sampler.kv_cache(64, ids.shape[1] + 48)[0]
+        outs[compact] = sampler.generate(ids, mask, **options(tok, model, do_sample=False, **extra))
+        assert sampler.batch_sizes == ([64, 32, 16] if compact else [64])
+    assert torch.equal(outs[True]["sequences"], outs[False]["sequences"])
+    torch.testing.assert_close(outs[True]["logits"], outs[False]["logits"], atol=1e-5, rtol=1e-5)
+    lengths = (outs[True]["sequences"][:, ids.shape[1]:] != tok.pad_token_id).sum(1)
+    assert lengths.min() < 8 and lengths.max() > 16  # rows left the batch at different checks
+
+
+def test_compacted_replies_are_sampled_with_the_trainers_log_probs(tiny):
+    """Sampled replies of a batch that compacted: each reply ends at its first stop token, followed by pads,
+    and its log-probs are the teacher-forced ones: no row was given another row's cache or tokens."""
+    tok, model, _ = tiny
+    ids, mask, extra = spread_out_replies(tok, model)
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
+    torch.manual_seed(0)
+    out = sampler.generate(ids, mask, **options(tok, model, **extra))
+    assert sampler.batch_sizes[0] == 64 and len(sampler.batch_sizes) > 1
+    replies, log_probs = out["sequences"][:, ids.shape[1]:], out["logits"].T
+    ended = torch.isin(replies, torch.tensor(extra["eos_token_id"]))
+    after_stop = ended.long().cumsum(1) - ended.long() > 0
+    assert (replies[after_stop] == tok.pad_token_id).all() and (log_probs[after_stop] == 0).all()
+    expected = teacher_forced_log_probs(model, out["sequences"], mask, tok.pad_token_id)
+    torch.testing.assert_close(log_probs[~after_stop], expected[~after_stop], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch, active, size", [(128, 65, None), (128, 64, 64), (128, 20, 32), (128, 3, 16),
+                                                 (64, 1, 16), (16, 1, None), (319, 30, 39)])
+def test_a_batch_halves_to_hold_the_rows_still_decoding_and_never_below_16(batch, active, size):
+    assert compacted_size(batch, active) == size
 
 
 def test_an_inference_copy_runs_fused_projections_that_weight_pushes_reach(tiny, tiny_model_dir):
@@ -149,7 +203,7 @@ def test_an_inference_copy_runs_fused_projections_that_weight_pushes_reach(tiny,
     copy = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
     names = list(copy.state_dict())
     copy.requires_grad_(False)
-    sampler = ReplySampler(copy, compile=False, cache_bucket=64)
+    sampler = ReplySampler(copy, compile=False, cache_bucket=64, compact_rows=True)
     assert isinstance(trained.model.layers[0].self_attn.k_proj, torch.nn.Linear)  # a trained model is left alone
     assert not isinstance(copy.model.layers[0].self_attn.k_proj, torch.nn.Linear)
     assert list(copy.state_dict()) == names

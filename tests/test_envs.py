@@ -38,8 +38,8 @@ def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_di
     collected = {}
     for build in (torchrl_collector, make_collector):
         env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
-        collector = build(env, make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok,
-                                                        gen_kwargs=options), 16)
+        sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
+        collector = build(env, make_transformers_policy(sampler, tok, gen_kwargs=options), 16)
         serve_from(env, collector, 3)
         batches = iter(collector)
         collected[type(collector)] = []

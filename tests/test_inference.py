@@ -29,7 +29,8 @@ def tiny(tiny_model_dir, tiny_data_dir):
 def collect(cfg, tok, model, gen_kwargs: dict, seed: int = 0):
     torch.manual_seed(seed)
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8, shuffle=False)
-    policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok, gen_kwargs=gen_kwargs)
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
+    policy = make_transformers_policy(sampler, tok, gen_kwargs=gen_kwargs)
     return next(iter(make_collector(env, policy, 8))).reshape(-1), policy
 
 
@@ -147,3 +148,25 @@ def test_transformers_engine_checksum_reads_its_weights_and_follows_a_push(tiny)
     inference.push_weights(new, version=3)
     assert inference.version == 3
     assert inference.weights_checksum() == weights_checksum(new) != weights_checksum(model.state_dict())
+
+
+@pytest.mark.parametrize("compact_rows", [False, True])
+def test_inference_model_compact_rows_reaches_the_decode_loop_and_replies_come_back_whole(tiny, compact_rows):
+    """Through the engine and TorchRL's wrapper: with ``inference_model.compact_rows`` on, 64 replies that end at
+    spread-out lengths (the token "The" stops them too) decode in batches that halve, and every reply comes back
+    as its tokens up to its first stop token, with a log-prob for each."""
+    cfg, tok, model = tiny
+    cfg = compose("grpo_tiny", [f"model.name={cfg.model.name}", f"env.dataset={cfg.env.dataset}", "env.repeats=8",
+                                "env.num_envs=64", "inference_model.max_new_tokens=48",
+                                f"inference_model.compact_rows={compact_rows}"])
+    stop_ids = stop_token_ids(tok, model.generation_config) + tok.convert_tokens_to_ids(["The"])
+    engine = TransformersInference(EngineSettings.from_config(cfg), None, tok, torch.device("cpu"), stop_ids)
+    torch.manual_seed(0)
+    env = make_env(cfg, tok, split="train", repeats=8, num_envs=64)
+    replies = Replies.from_collector(next(iter(make_collector(env, engine.policy, 64))))
+    sizes = engine.policy.model.batch_sizes
+    assert sizes[0] == 64 and (len(sizes) > 1) == compact_rows
+    for reply, log_probs in zip(replies.replies(), replies.log_probs()):
+        ends = torch.isin(reply, torch.tensor(stop_ids)).nonzero()[:, 0].tolist()
+        assert ends == [len(reply) - 1] or (not ends and len(reply) == 48)
+        assert (log_probs < 0).all()

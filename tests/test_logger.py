@@ -42,7 +42,8 @@ def rollouts(tiny_model_dir, tiny_data_dir):
     tok = load_tokenizer(cfg.model.name)
     model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
     stop_ids = stop_token_ids(tok, model.generation_config)
-    policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok, gen_kwargs=generate_kwargs(
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
+    policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(
         EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=24, stop_ids=stop_ids))
     torch.manual_seed(0)
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)

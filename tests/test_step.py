@@ -39,7 +39,7 @@ def setup(tiny_model_dir, tiny_data_dir):
     env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
     stop_ids = stop_token_ids(tok, model.generation_config)
     settings = EngineSettings.from_config(cfg)
-    policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64), tok,
+    policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True), tok,
                                       gen_kwargs=generate_kwargs(settings, tok, greedy=False, max_new_tokens=24,
                                                                  stop_ids=stop_ids))
     rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)

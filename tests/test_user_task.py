@@ -112,7 +112,8 @@ def test_the_length_check_counts_generic_prompts_as_the_policy_sees_them(system_
                  f"reward.functions=[{EXAMPLE}/reward.py:tagged]", f"env.system_prompt={json.dumps(system_prompt)}"]
     cfg = compose("grpo_tiny", overrides)
     env = make_env(cfg, tiny_tok, split="train", repeats=1, num_envs=1)
-    sampler = ReplySampler(load_policy_model(cfg, tiny_tok, torch.device("cpu")), compile=False, cache_bucket=64)
+    sampler = ReplySampler(load_policy_model(cfg, tiny_tok, torch.device("cpu")), compile=False, cache_bucket=64,
+                           compact_rows=True)
     policy = make_transformers_policy(sampler, tiny_tok, gen_kwargs={
         "max_new_tokens": 1, "do_sample": False, "eos_token_id": [tiny_tok.eos_token_id],
         "pad_token_id": tiny_tok.pad_token_id})

@@ -13,6 +13,8 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
   (``fuse_projections``: 23.8% -> 25.8% of the bound at 1.5B x 128 on an H100);
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores);
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
+- lets rows whose reply has ended leave the batch (``compact_rows``): the batch halves whenever the rows
+  still decoding fit in half of it, so a long tail of replies no longer decodes the whole batch;
 - stops once every reply has ended.
 """
 
@@ -27,8 +29,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 DECODE_ATTENTION = "grpo_decode"
-# `done.all()` waits for the GPU; checking every few tokens keeps the CPU ahead of the GPU
+# counting the rows still decoding waits for the GPU; checking every few tokens keeps the CPU ahead of the GPU
 STOP_CHECK_EVERY = 8
+# the batch halves no further: below it a decode step costs about the same on a GPU (latency-bound: 1.5B on an
+# H100, 128 rows took 1.28x the time of 64), and each batch size is one more compiled graph
+SMALLEST_COMPACTED_BATCH = 16
+# each batch size (and sampling mode) is one more entry of the decode step's compiled code; dynamo's default of 8
+# would fall back to uncompiled kernels past it
+DECODE_RECOMPILE_LIMIT = 64
 # the options TorchRL's wrapper adds to every generate call; this loop returns what they ask for
 TORCHRL_GENERATE_OPTIONS = {"tokenizer", "output_logits", "return_dict_in_generate", "num_return_sequences"}
 
@@ -162,6 +170,33 @@ def record(buf: DecodeBuffers, token, log_prob, pad_token_id: int) -> None:
     buf.step.add_(1)
 
 
+def compacted_size(batch: int, active: int) -> int | None:
+    """The batch the ``active`` rows of a ``batch``-row decode move to: the smallest halving of it (not below
+    ``SMALLEST_COMPACTED_BATCH``) that holds them, when there is one; else None."""
+    size = batch
+    while size // 2 >= max(active, SMALLEST_COMPACTED_BATCH):
+        size //= 2
+    return size if size < batch else None
+
+
+def move_rows(src: DecodeBuffers, src_cache: StaticCache, dst: DecodeBuffers, dst_cache: StaticCache,
+              rows: torch.Tensor, active: int) -> None:
+    """Carry decode rows ``rows`` of ``src`` (and their KV cache) into ``dst``, in that order: its first ``active``
+    rows go on decoding; the rest repeat a live row (never attend to nothing) and are marked done (emit pad)."""
+    slots = src.mask.shape[1]
+    dst.mask.zero_()
+    dst.mask[:, :slots] = src.mask[rows]
+    for name in ("last_token", "position", "done", "tokens", "log_probs"):
+        getattr(dst, name).copy_(getattr(src, name)[rows])
+    dst.done[active:] = True
+    dst.step.copy_(src.step)
+    dst.slot.copy_(src.slot)
+    for src_layer, dst_layer in zip(src_cache.layers, dst_cache.layers, strict=True):
+        dst_layer.keys[:, :, :slots] = src_layer.keys[rows, :, :slots]
+        dst_layer.values[:, :, :slots] = src_layer.values[rows, :, :slots]
+        dst_layer.cumulative_length.copy_(src_layer.cumulative_length)  # where transformers writes the next token
+
+
 def cache_argument(model) -> str:
     """The name ``forward`` takes the KV cache under: transformers 5.24 renamed ``past_key_values`` to ``cache``
     (the old name warns); the GPU machines run 5.17."""
@@ -186,12 +221,17 @@ class ReplySampler(torch.nn.Module):
     "reduce-overhead" mode graphed the forward alone; the guards, sampler and bookkeeping around it
     kept 2.4 ms of host work per token (0.5B, 64 replies, H100: 14% of the bound).
     On the CPU the same step runs eagerly.
+
+    ``compact_rows``: when the rows still decoding fit in half the batch, they move to a batch half the size
+    (``compacted_size``), with their KV cache; each size has its own cache and step, built once and kept.
     """
 
-    def __init__(self, model, *, compile: bool, cache_bucket: int):
+    def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool):
         super().__init__()
         self.model = model
         self.cache_bucket = cache_bucket
+        self.compact_rows = compact_rows
+        self.batch_sizes: list[int] = []  # the last generate call's decode batches, first to last
         self.cache_name = cache_argument(model)
         model.set_attn_implementation(DECODE_ATTENTION)
         if not any(p.requires_grad for p in model.parameters()):  # an inference copy, never trained
@@ -236,7 +276,7 @@ class ReplySampler(torch.nn.Module):
         """
         device = args[0].device
         compiled = torch.compile(decode_step, fullgraph=True, dynamic=False)
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), torch._dynamo.config.patch(recompile_limit=DECODE_RECOMPILE_LIMIT):
             side = torch.cuda.Stream()  # warm-up (compilation, autotuning) off the capture stream, as CUDA graphs need
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -276,10 +316,40 @@ class ReplySampler(torch.nn.Module):
         record(buf, *sample_tokens(logits, **sampling), pad_token_id)
         buf.position.copy_(positions[:, -1:] + 1)
         buf.slot.fill_(prompt_len)
-        generated = 1
-        while generated < max_new_tokens and not (generated % STOP_CHECK_EVERY == 0 and bool(buf.done.all())):
+        generated, rows = 1, None  # rows: each decode row's reply, once the batch has been compacted
+        self.batch_sizes = [batch]
+        while generated < max_new_tokens:
+            if generated % STOP_CHECK_EVERY == 0:
+                active = int(buf.done.logical_not().sum())
+                if active == 0:
+                    break
+                size = compacted_size(self.batch_sizes[-1], active) if self.compact_rows else None
+                if size is not None:
+                    if rows is None:
+                        rows = torch.arange(batch, device=buf.done.device)
+                        tokens, log_probs = torch.empty_like(buf.tokens), torch.empty_like(buf.log_probs)
+                    tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
+                    buf, cache, step, rows = self.compact(buf, cache, rows, size, active, max_new_tokens,
+                                                          list(eos_token_id), pad_token_id, sampling)
             step()
             generated += 1
+        if rows is None:
+            tokens, log_probs = buf.tokens, buf.log_probs
+        else:
+            tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
         # TorchRL stacks ``logits`` along dim 1 into [B, T]: here, the sampled tokens' log-probs
-        return {"sequences": torch.cat([input_ids, buf.tokens[:, :generated].to(input_ids.dtype)], dim=1),
-                "logits": buf.log_probs[:, :generated].T.clone()}
+        return {"sequences": torch.cat([input_ids, tokens[:, :generated].to(input_ids.dtype)], dim=1),
+                "logits": log_probs[:, :generated].T.clone()}
+
+    def compact(self, buf, cache, rows, size, active, max_new_tokens, stop_ids, pad_token_id, sampling):
+        """The ``active`` rows still decoding (of replies ``rows``) moved to a batch of ``size``: its buffers,
+        cache and step, and the reply of each of its first rows."""
+        live = buf.done[:len(rows)].logical_not().nonzero()[:, 0]
+        slots = buf.mask.shape[1]
+        slots_new, cache_new = self.kv_cache(size, slots)  # at least as many slots: the same slot numbers go on
+        buf_new, step = self.decode_step_for(size, slots_new, cache_new, max_new_tokens, stop_ids, pad_token_id,
+                                             sampling)
+        order = torch.cat([live, live[:1].expand(size - active)])
+        move_rows(buf, cache, buf_new, cache_new, order, active)
+        self.batch_sizes.append(size)
+        return buf_new, cache_new, step, rows[live]
