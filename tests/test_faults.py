@@ -483,14 +483,16 @@ def test_a_reward_functions_error_still_reaches_the_run_with_its_note(tmp_path):
                                       "on row 4"]
 
 
-def test_the_time_spent_in_reward_functions_is_logged_as_reward_s(script, tmp_path):  # noqa: F811
-    """A slow function (1 s a call) showed up only as generation_s."""
+def test_reward_functions_and_engine_time_are_logged_as_parts_of_generation_s(script, tmp_path):  # noqa: F811
+    """A slow function (1 s a call) showed up only as generation_s. The engine's generate calls are another part
+    (generation_engine_s); what is left of generation_s is TorchRL's wrapper and the env."""
     (tmp_path / "slow.py").write_text("import time\n\ndef score(reply):\n    time.sleep(0.01)\n    return 1.0\n")
     train(script, tmp_path / "run", f"reward.functions=[{tmp_path / 'slow.py'}:score]", "train.total_steps=2")
     rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in rows] == [1, 2]
     for row in rows:  # 16 replies a step, 10 ms each
         assert 0.16 <= row["reward_s"] < row["generation_s"], row
+        assert 0 < row["generation_engine_s"] < row["generation_s"] - row["reward_s"], row
 
 
 def test_reward_timeout_s_must_be_positive():

@@ -259,3 +259,4 @@ def test_user_functions_score_in_the_async_rollout_workers(tmp_path):
     assert len(pids) - len(trainer) >= 2 * 20  # the workers scored (at least) the two trained batches
     assert torch.tensor([r["reward"] for r in rows if "reward" in r]).isfinite().all()
     assert all(r["reward_s"] > 0 for r in rows if "reward" in r)  # the workers' time in the function
+    assert all(r["generation_engine_s"] > 0 for r in rows if "reward" in r)  # and in their engines' generate calls

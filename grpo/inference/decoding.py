@@ -21,6 +21,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 import torch.nn.functional as F
@@ -232,6 +233,7 @@ class ReplySampler(torch.nn.Module):
         self.cache_bucket = cache_bucket
         self.compact_rows = compact_rows
         self.batch_sizes: list[int] = []  # the last generate call's decode batches, first to last
+        self.seconds = 0.0  # in generate calls so far, until their replies were on the GPU
         self.cache_name = cache_argument(model)
         model.set_attn_implementation(DECODE_ATTENTION)
         if not any(p.requires_grad for p in model.parameters()):  # an inference copy, never trained
@@ -299,6 +301,7 @@ class ReplySampler(torch.nn.Module):
         unknown = set(torchrl_options) - TORCHRL_GENERATE_OPTIONS
         if unknown or torchrl_options.get("num_return_sequences", 1) != 1:
             raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
+        start = time.perf_counter()
         batch, prompt_len = input_ids.shape
         sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         slots, cache = self.kv_cache(batch, prompt_len + max_new_tokens)
@@ -338,8 +341,12 @@ class ReplySampler(torch.nn.Module):
         else:
             tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
         # TorchRL stacks ``logits`` along dim 1 into [B, T]: here, the sampled tokens' log-probs
-        return {"sequences": torch.cat([input_ids, tokens[:, :generated].to(input_ids.dtype)], dim=1),
-                "logits": log_probs[:, :generated].T.clone()}
+        out = {"sequences": torch.cat([input_ids, tokens[:, :generated].to(input_ids.dtype)], dim=1),
+               "logits": log_probs[:, :generated].T.clone()}
+        if input_ids.device.type == "cuda":  # the wrapper's first look at the replies would wait here anyway
+            torch.cuda.synchronize(input_ids.device)
+        self.seconds += time.perf_counter() - start
+        return out
 
     def compact(self, buf, cache, rows, size, active, max_new_tokens, stop_ids, pad_token_id, sampling):
         """The ``active`` rows still decoding (of replies ``rows``) moved to a batch of ``size``: its buffers,

@@ -47,7 +47,8 @@ class TransformersInference:
         else:
             self.model = load_causal_lm(s.model_name, tokenizer, dtype=dtype, device=device)
             self.model.eval().requires_grad_(False)
-        sampler = ReplySampler(self.model, compile=s.compile, cache_bucket=s.cache_bucket, compact_rows=s.compact_rows)
+        self.sampler = sampler = ReplySampler(self.model, compile=s.compile, cache_bucket=s.cache_bucket,
+                                              compact_rows=s.compact_rows)
         self.policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
             s, tokenizer, greedy=False, max_new_tokens=s.max_new_tokens, stop_ids=stop_ids))
         self.greedy_policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
@@ -55,6 +56,10 @@ class TransformersInference:
         self.version = None
         if policy_model is not None:
             self.push_weights(policy_model, version=0)
+
+    @property
+    def generate_s(self) -> float:
+        return self.sampler.seconds
 
     @torch.no_grad()
     def push_weights(self, source, version: int) -> float:

@@ -51,12 +51,15 @@ class InferenceEngine(Protocol):
 
     ``policy`` samples rollouts and ``greedy_policy`` evaluates: TorchRL policies taking chat histories
     and returning replies with their sampled tokens' log-probs. ``version`` is the weights version last
-    pushed (``None``: the model files' weights, none pushed yet).
+    pushed (``None``: the model files' weights, none pushed yet). ``generate_s``: the seconds spent so far
+    inside the engine's own generate calls (both policies'); the rest of a collection is TorchRL's wrapper
+    (chat template, tokenizing, decoding the replies into chat histories), the env and its reward.
     """
 
     policy: object
     greedy_policy: object
     version: int | None
+    generate_s: float
 
     def push_weights(self, source, version: int) -> float:
         """Generate with new weights (a model, or HF-named tensors); returns the seconds it took."""

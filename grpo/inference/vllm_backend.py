@@ -219,10 +219,16 @@ def engine_weights_checksum(model: torch.nn.Module, dtype: torch.dtype) -> int:
 
 class QuietVLLMWrapper(vLLMWrapper):
     """TorchRL's vLLM wrapper without vLLM's two progress bars per generate call, which the wrapper has no
-    option for: every batch of every worker printed them."""
+    option for: every batch of every worker printed them. ``generate_s``: seconds inside vLLM's generate so far."""
+
+    generate_s = 0.0
 
     def _call_generate(self, *args, **kwargs):
-        return super()._call_generate(*args, use_tqdm=False, **kwargs)
+        start = time.perf_counter()
+        try:
+            return super()._call_generate(*args, use_tqdm=False, **kwargs)
+        finally:
+            self.generate_s += time.perf_counter() - start
 
 
 def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, input_mode: str = "history",
@@ -294,6 +300,10 @@ class VLLMInference:
         self.version = None
         if policy_model is not None:
             self.push_weights(policy_model, version=0)
+
+    @property
+    def generate_s(self) -> float:
+        return sum(policy.generate_s for policy in (self.policy, self.greedy_policy) if policy is not None)
 
     def push_weights(self, source, version: int) -> float:
         """Copy new weights (a model, a peft model or an HF state dict) into the engine; seconds."""

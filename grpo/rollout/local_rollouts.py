@@ -48,7 +48,7 @@ class CollectorRollouts:
         self.batches = iter(collector)
         self.batches_per_step = env_batches_per_draw(cfg)
         self.taken: list[int] = []  # the prompt batches this step's collections drew
-        self.generation_s = self.slowest_rank_s = 0.0
+        self.generation_s = self.slowest_rank_s = self.engine_s = 0.0
         self.engines_mismatched = 0
 
     def next_rollouts(self, trainer_version: int, seed: int | None = None) -> Replies | None:
@@ -59,7 +59,7 @@ class CollectorRollouts:
                 seed = int(torch.randint(2**62, ()))
                 self.world.lead("generate", trainer_version, seed)
             torch.manual_seed(seed + self.world.rank)
-        t0 = time.perf_counter()
+        t0, engine_s = time.perf_counter(), self.engine.generate_s
         self.taken.extend(self.ledger.take() for _ in range(self.batches_per_step))  # the batches it draws next
         own, failure = None, None
         try:
@@ -69,6 +69,7 @@ class CollectorRollouts:
                 raise
             failure = err
         own_s = time.perf_counter() - t0
+        self.engine_s += self.engine.generate_s - engine_s
         # each engine's weights, read back: every push must have reached every rank's engine
         checksum = self.engine.weights_checksum() if self.world.size > 1 else None
         shares = self.world.gather_to_main((own, own_s, checksum, sendable(failure)))
@@ -92,8 +93,10 @@ class CollectorRollouts:
         return {"weight_sync_s": self.engine.push_weights(weights(), version)}
 
     def step_metrics(self) -> dict:
-        generation_s, self.generation_s = self.generation_s, 0.0
-        metrics = {"generation_s": generation_s, "reward_s": take_reward_seconds(self.env)}  # reward_s: rank 0's, part of generation_s
+        # rank 0's parts of generation_s: in the engine's generate calls, and in the reward functions
+        metrics = {"generation_s": self.generation_s, "generation_engine_s": self.engine_s,
+                   "reward_s": take_reward_seconds(self.env)}
+        self.generation_s = self.engine_s = 0.0
         if self.world.size > 1:  # the slowest rank's own generation; engines that missed a push (must stay 0)
             metrics |= {"generation_s_slowest_rank": self.slowest_rank_s,
                         "engine_weights_mismatched": self.engines_mismatched}
