@@ -10,7 +10,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
   ``cache_bucket`` tokens so the compiled step is reused across batches;
 - reads each K/V head once for its group of query heads when decoding (``decode_attention``);
 - in an inference copy, runs each layer's q/k/v and gate/up projections as one GEMM each
-  (``fuse_projections``: 23.8% -> 25.8% of the bound at 1.5B x 128 on an H100);
+  (``grpo.inference.fused_projections``: 23.8% -> 25.8% of the bound at 1.5B x 128 on an H100);
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores);
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
 - lets rows whose reply has ended leave the batch (``compact_rows``): the batch halves whenever the rows
@@ -24,10 +24,11 @@ import inspect
 import time
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from grpo.inference.fused_projections import fuse_projections
 
 DECODE_ATTENTION = "grpo_decode"
 # counting the rows still decoding waits for the GPU; checking every few tokens keeps the CPU ahead of the GPU
@@ -85,65 +86,6 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         logits = scaled
     log_prob = logits.gather(-1, token[:, None])[:, 0] - logits.logsumexp(-1)
     return token, log_prob
-
-
-class SharedGEMM:
-    """Projections of one input (q/k/v; gate/up) as one GEMM. A decode step multiplies only ``batch``
-    rows, so a small projection (k or v: 256 outputs at 1.5B) costs a launch and a barely filled
-    kernel of its own. Their weights are copied into one tensor, and the projections' parameters
-    become views of it: weight pushes copy into the parameters, so they write the fused weight too.
-    A plain object, not a module: the fused tensor stays out of the state dict."""
-
-    def __init__(self, linears: list[torch.nn.Linear]):
-        self.weight = torch.cat([linear.weight.detach() for linear in linears])
-        with_bias = linears[0].bias is not None
-        self.bias = torch.cat([linear.bias.detach() for linear in linears]) if with_bias else None
-        self.sizes = [linear.out_features for linear in linears]
-        self.input, self.outputs, self.unread = None, (), 0
-
-    def output(self, x, index: int):
-        if x is not self.input:  # the first projection of this input computes them all
-            self.input, self.outputs = x, F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
-            self.unread = len(self.sizes)
-        out, self.unread = self.outputs[index], self.unread - 1
-        if self.unread == 0:  # all read: a prefill's outputs are large, 28 layers must not each keep theirs
-            self.input, self.outputs = None, ()
-        return out
-
-
-class ProjectionOfShared(torch.nn.Module):
-    """Stands in for one of ``SharedGEMM``'s linears: same parameter names, views of the fused weight."""
-
-    def __init__(self, shared: SharedGEMM, index: int):
-        super().__init__()
-        self.shared, self.index = shared, index
-        start, end = sum(shared.sizes[:index]), sum(shared.sizes[:index + 1])
-        self.weight = torch.nn.Parameter(shared.weight[start:end], requires_grad=False)
-        self.bias = None if shared.bias is None else torch.nn.Parameter(shared.bias[start:end], requires_grad=False)
-
-    def forward(self, x):
-        return self.shared.output(x, self.index)
-
-
-# per decoder layer: the projections that read the same input
-FUSABLE = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-
-
-def fuse_projections(model) -> int:
-    """Each decoder layer's q/k/v and gate/up projections as one GEMM each (``SharedGEMM``), for a
-    model that only generates: its gradients would reach the views, not the GEMM. Returns the number
-    of projection groups fused (0 for architectures without these names)."""
-    fused = 0
-    for layer in getattr(getattr(model, "model", None), "layers", []):
-        for part, names in FUSABLE:
-            module = getattr(layer, part, None)
-            linears = [getattr(module, name, None) for name in names]
-            if all(type(linear) is torch.nn.Linear for linear in linears):
-                shared = SharedGEMM(linears)
-                for index, name in enumerate(names):
-                    setattr(module, name, ProjectionOfShared(shared, index))
-                fused += 1
-    return fused
 
 
 class DecodeBuffers:
