@@ -261,6 +261,8 @@ class ReplySampler(torch.nn.Module):
         record(buf, *sample_tokens(logits, **sampling), pad_token_id)
         buf.position.copy_(positions[:, -1:] + 1)
         buf.slot.fill_(prompt_len)
+        # every reply's tokens and log-probs: a compacted batch's rows are written back here when they leave it
+        tokens, log_probs = buf.tokens, buf.log_probs
         generated, rows = 1, None  # rows: each decode row's reply, once the batch has been compacted
         self.batch_sizes = [batch]
         while generated < max_new_tokens:
@@ -268,19 +270,15 @@ class ReplySampler(torch.nn.Module):
                 active = int(buf.done.logical_not().sum())
                 if active == 0:
                     break
-                size = compacted_size(self.batch_sizes[-1], active) if self.compact_rows else None
+                size = compacted_size(len(buf.done), active) if self.compact_rows else None
                 if size is not None:
-                    if rows is None:
-                        rows = torch.arange(batch, device=buf.done.device)
-                        tokens, log_probs = torch.empty_like(buf.tokens), torch.empty_like(buf.log_probs)
-                    tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
-                    buf, cache, step, rows = self.compact(buf, cache, rows, size, active, max_new_tokens,
-                                                          list(eos_token_id), pad_token_id, sampling)
+                    if rows is not None:
+                        tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
+                    buf, cache, step, rows = self.compact(buf, cache, rows, size, max_new_tokens, list(eos_token_id),
+                                                          pad_token_id, sampling)
             step()
             generated += 1
-        if rows is None:
-            tokens, log_probs = buf.tokens, buf.log_probs
-        else:
+        if rows is not None:
             tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
         # TorchRL stacks ``logits`` along dim 1 into [B, T]: here, the sampled tokens' log-probs
         out = {"sequences": torch.cat([input_ids, tokens[:, :generated].to(input_ids.dtype)], dim=1),
@@ -290,15 +288,15 @@ class ReplySampler(torch.nn.Module):
         self.seconds += time.perf_counter() - start
         return out
 
-    def compact(self, buf, cache, rows, size, active, max_new_tokens, stop_ids, pad_token_id, sampling):
-        """The ``active`` rows still decoding (of replies ``rows``) moved to a batch of ``size``: its buffers,
-        cache and step, and the reply of each of its first rows."""
-        live = buf.done[:len(rows)].logical_not().nonzero()[:, 0]
+    def compact(self, buf, cache, rows, size, max_new_tokens, stop_ids, pad_token_id, sampling):
+        """The rows still decoding (of replies ``rows``; None: the whole batch's) moved to a batch of ``size``:
+        its buffers, cache and step, and the reply of each of its first rows."""
+        live = buf.done.logical_not().nonzero()[:, 0]  # a compacted batch's filler rows are done
         slots = buf.mask.shape[1]
         slots_new, cache_new = self.kv_cache(size, slots)  # at least as many slots: the same slot numbers go on
         buf_new, step = self.decode_step_for(size, slots_new, cache_new, max_new_tokens, stop_ids, pad_token_id,
                                              sampling)
-        order = torch.cat([live, live[:1].expand(size - active)])
-        move_rows(buf, cache, buf_new, cache_new, order, active)
+        order = torch.cat([live, live[:1].expand(size - len(live))])
+        move_rows(buf, cache, buf_new, cache_new, order, len(live))
         self.batch_sizes.append(size)
-        return buf_new, cache_new, step, rows[live]
+        return buf_new, cache_new, step, live if rows is None else rows[live]
