@@ -3,8 +3,11 @@ training wall-clock (the sum of the steps' step_time_s: generation, reference, t
 push, without eval or checkpoint time), as JSON and a PNG.
 
     python benchmarks/learning_curve.py RUN_DIR [RUN_DIR ...] --out benchmarks/real_learning
+    python benchmarks/learning_curve.py RUN_DIR ... "benchmarks/real_learning_shared.json:1.5B seed 0" --out ...
 
-Each run is labelled by its config name and seed (``--labels`` overrides). The JSON also holds, per
+A source is a run dir, or a curves JSON written earlier (``FILE.json``: all its runs; ``FILE.json:LABEL``: that
+one), so a plot can put new runs beside an earlier session's whose run dirs are gone. Each run dir is labelled by
+its config name and seed (``--labels`` overrides, one per run dir). The JSON also holds, per
 run, the accuracy at the eval nearest to each ``--marks`` minute (10 and 20 by default), the largest
 ``kl_to_ref`` and the mean step time. Where the runs logged them, accuracies carry their standard error
 (error bars) and each eval its gain since the first with the paired standard error (same problems).
@@ -63,6 +66,22 @@ def label_of(run_dir: Path) -> str:
     return f"{Path(cfg.model.name).name} seed {cfg.seed}"
 
 
+def earlier_curves(source: str) -> dict[str, dict]:
+    """The runs of a curves JSON written earlier: ``FILE.json`` (all of them) or ``FILE.json:LABEL`` (one)."""
+    stem, picked, label = source.partition(".json:")
+    path = Path(stem + ".json" if picked else source)
+    curves = json.loads(path.read_text())
+    if not picked:
+        return curves
+    if label not in curves:
+        sys.exit(f"learning_curve: {path} has no run {label!r}; it has {sorted(curves)}")
+    return {label: curves[label]}
+
+
+def is_curves_json(source: str) -> bool:
+    return source.endswith(".json") or ".json:" in source
+
+
 def plot(curves: dict[str, dict], out_png: Path) -> None:
     import matplotlib
 
@@ -93,13 +112,16 @@ def plot(curves: dict[str, dict], out_png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--labels", nargs="*", help="one per run (default: model folder and seed)")
+    ap.add_argument("runs", nargs="+", help="run dirs, or FILE.json[:LABEL] curves written earlier")
+    ap.add_argument("--labels", nargs="*", help="one per run dir (default: model folder and seed)")
     ap.add_argument("--marks", nargs="*", type=float, default=[10, 20], help="training minutes to report at")
     ap.add_argument("--out", type=Path, required=True, help="writes OUT.json and OUT.png")
     args = ap.parse_args()
-    labels = args.labels or [label_of(r) for r in args.runs]
-    curves = {label: curve(run) for label, run in zip(labels, args.runs)}
+    run_dirs = [Path(r) for r in args.runs if not is_curves_json(r)]
+    labels = iter(args.labels or [label_of(r) for r in run_dirs])
+    curves = {}
+    for source in args.runs:
+        curves.update(earlier_curves(source) if is_curves_json(source) else {next(labels): curve(Path(source))})
     for c in curves.values():
         c["at_minutes"] = {str(m): at_minute(c["evals"], m) for m in args.marks}
     args.out.parent.mkdir(parents=True, exist_ok=True)

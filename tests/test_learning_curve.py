@@ -36,3 +36,28 @@ def test_curves_put_evals_at_training_minutes_and_report_the_last_eval_before_ea
     assert out.with_suffix(".png").stat().st_size > 0
     assert printed.strip() == ("run a: step 0 0.250 | 5.0min: 0.250 (step 0) 12.0min: 0.350 (step 6, +10.0 ± 2.0 "
                                "points) | kl_to_ref max 0.060 | step 120.0 s")
+
+
+def test_curves_take_runs_from_an_earlier_curves_json_whole_or_by_label(tmp_path):
+    """A plot can put new run dirs beside an earlier session's runs kept only in its JSON: ``FILE.json:LABEL`` takes
+    that run as it was (its marks recomputed), ``FILE.json`` all of them; a label it lacks is a one-line error."""
+    write_run(tmp_path / "a", 120.0, {0: 0.25, 3: 0.30, 6: 0.35})
+    write_run(tmp_path / "b", 60.0, {0: 0.40, 6: 0.50})
+    script, earlier = str(REPO / "benchmarks" / "learning_curve.py"), tmp_path / "earlier"
+    subprocess.run([sys.executable, script, str(tmp_path / "a"), str(tmp_path / "b"), "--labels", "run a", "run b",
+                    "--out", str(earlier)], capture_output=True, text=True, check=True)
+    write_run(tmp_path / "c", 30.0, {0: 0.10, 6: 0.20})
+    out = tmp_path / "both"
+    subprocess.run([sys.executable, script, str(tmp_path / "c"), f"{earlier}.json:run a", "--labels", "run c",
+                    "--marks", "7", "--out", str(out)], capture_output=True, text=True, check=True)
+    curves = json.loads(out.with_suffix(".json").read_text())
+    assert list(curves) == ["run c", "run a"]
+    assert curves["run a"]["evals"] == json.loads(earlier.with_suffix(".json").read_text())["run a"]["evals"]
+    assert curves["run a"]["at_minutes"]["7.0"]["step"] == 3 and curves["run c"]["at_minutes"]["7.0"]["step"] == 6
+    whole = subprocess.run([sys.executable, script, f"{earlier}.json", "--out", str(tmp_path / "whole")],
+                           capture_output=True, text=True, check=True)
+    assert list(json.loads((tmp_path / "whole.json").read_text())) == ["run a", "run b"] and "run b:" in whole.stdout
+    missing = subprocess.run([sys.executable, script, f"{earlier}.json:run z", "--out", str(tmp_path / "x")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and missing.stderr.strip().splitlines() == [
+        f"learning_curve: {earlier}.json has no run 'run z'; it has ['run a', 'run b']"]
