@@ -175,19 +175,21 @@ def test_rows_that_ended_leave_the_batch_and_the_replies_stay_the_same(tiny):
 
 def test_compacted_replies_are_sampled_with_the_trainers_log_probs(tiny):
     """Sampled replies of a batch that compacted: each reply ends at its first stop token, followed by pads,
-    and its log-probs are the teacher-forced ones: no row was given another row's cache or tokens."""
+    and its log-probs are the teacher-forced ones: no row was given another row's cache or tokens. Also on the
+    sampler's second call, whose buffers hold the first call's replies where rows left the batch early."""
     tok, model, _ = tiny
     ids, mask, extra = spread_out_replies(tok, model)
     sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
-    torch.manual_seed(0)
-    out = sampler.generate(ids, mask, **options(tok, model, **extra))
-    assert sampler.batch_sizes[0] == 64 and len(sampler.batch_sizes) > 1
-    replies, log_probs = out["sequences"][:, ids.shape[1]:], out["logits"].T
-    ended = torch.isin(replies, torch.tensor(extra["eos_token_id"]))
-    after_stop = ended.long().cumsum(1) - ended.long() > 0
-    assert (replies[after_stop] == tok.pad_token_id).all() and (log_probs[after_stop] == 0).all()
-    expected = teacher_forced_log_probs(model, out["sequences"], mask, tok.pad_token_id)
-    torch.testing.assert_close(log_probs[~after_stop], expected[~after_stop], atol=1e-4, rtol=1e-4)
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        out = sampler.generate(ids, mask, **options(tok, model, **extra))
+        assert sampler.batch_sizes[0] == 64 and len(sampler.batch_sizes) > 1
+        replies, log_probs = out["sequences"][:, ids.shape[1]:], out["logits"].T
+        ended = torch.isin(replies, torch.tensor(extra["eos_token_id"]))
+        after_stop = ended.long().cumsum(1) - ended.long() > 0
+        assert (replies[after_stop] == tok.pad_token_id).all() and (log_probs[after_stop] == 0).all()
+        expected = teacher_forced_log_probs(model, out["sequences"], mask, tok.pad_token_id)
+        torch.testing.assert_close(log_probs[~after_stop], expected[~after_stop], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("batch, active, size", [(128, 65, None), (128, 64, 64), (128, 20, 32), (128, 3, 16),
