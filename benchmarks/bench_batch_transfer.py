@@ -41,9 +41,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed: int):
-    """The tiny model's training env and a sampling policy over it whose replies all run to ``max_new_tokens``
-    (no stop token ends them early): ``(env, policy, sampler, tokenizer, model)``."""
+def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed: int, device: str = "cpu"):
+    """The tiny model's training env and a sampling policy over it (the model on ``device``) whose replies all run
+    to ``max_new_tokens`` (no stop token ends them early): ``(env, policy, sampler, tokenizer, model)``."""
     import torch
     from tensordict import set_list_to_stack
 
@@ -61,7 +61,7 @@ def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed:
                                        f"inference_model.max_new_tokens={max_new_tokens}"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
-    model = load_policy_model(cfg, tok, torch.device("cpu"))
+    model = load_policy_model(cfg, tok, torch.device(device))
     sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
     never = [tok.vocab_size + 1000]  # a stop id no token has
     policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(

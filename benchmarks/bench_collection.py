@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """What a rollout collection costs outside the sampler: TorchRL's ``LLMCollector`` loop against ours
-(``grpo.tasks.envs.OneTurnCollector``), in one invocation (CPU, one thread).
+(``grpo.tasks.envs.OneTurnCollector``), in one invocation (CPU, one thread; or the model on a GPU).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_collection.py                  # 128 replies x 256 tokens
     OMP_NUM_THREADS=1 python benchmarks/bench_collection.py --replies 64 --max-new-tokens 64
+    python benchmarks/bench_collection.py --device cuda --max-new-tokens 300  # also: the wrapper on the GPU
 
 The tiny model (``config/grpo_tiny``) generates ``--replies`` replies of exactly ``--max-new-tokens`` tokens
 (no stop token ends them early) through the training env (GSM8K chat prompts and reward). Each round
@@ -11,6 +12,11 @@ collects one batch with each collector, alternating which goes first; per collec
 and process CPU seconds, the seconds inside the sampler (``ReplySampler.generate``) and the rest: the
 env's reset and step (chat history, reward), the collector's loop and the policy wrapper. The medians over
 the rounds are compared: ``rest`` is what a GPU host pays on its CPU every step, whatever the GPU.
+
+With ``--device cuda`` a third policy is timed too, as the policy was until 2026-11-27: TorchRL's wrapper on the
+sampler's GPU (prompts moved there by TorchRL, the sampler's replies left there) and its output tensordict moved
+to the CPU afterwards; ours keeps the wrapper on the CPU and the sampler moves one prompt batch and two reply
+tensors.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256, help="every reply's length")
     p.add_argument("--rounds", type=int, default=5, help="rounds of one collection each; the medians are compared")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the tiny model runs: cpu or cuda")
     return p.parse_args(argv)
 
 
@@ -44,7 +51,8 @@ def build(args):
     """The env, the policy over a ``ReplySampler`` whose time is counted, and that counter."""
     from bench_batch_transfer import never_stopping_rollouts
 
-    env, policy, sampler, _, _ = never_stopping_rollouts(args.replies, args.group, args.max_new_tokens, args.seed)
+    env, policy, sampler, _, _ = never_stopping_rollouts(args.replies, args.group, args.max_new_tokens, args.seed,
+                                                         args.device)
     sampler_s = [0.0]
     generate = sampler.generate
 
@@ -56,11 +64,28 @@ def build(args):
             sampler_s[0] += time.perf_counter() - t0
 
     sampler.generate = timed_generate  # the policy calls it through the sampler object
-    return env, policy, sampler_s
+    return env, policy, sampler, sampler_s
 
 
-def collectors(env, policy, replies: int) -> dict:
-    """TorchRL's collector, set up as make_collector sets up ours, and ours."""
+def wrapper_on_device(policy, sampler):
+    """The policy as it was until 2026-11-27: TorchRL's wrapper on the sampler's device, its output moved to
+    the CPU (where envs and rewards live) tensordict by tensordict."""
+    from grpo.inference.engine import GeneratingWrapper
+
+    class OutputMovedToCPU(GeneratingWrapper):
+        def forward(self, tensordict, *args, **kwargs):
+            return super().forward(tensordict, *args, **kwargs).to("cpu").clear_device_()
+
+    on_device = OutputMovedToCPU(sampler, tokenizer=policy.tokenizer, input_mode="history", generate=True,
+                                 return_log_probs=True, pad_output=False, generate_kwargs={
+                                     k: v for k, v in policy.generate_kwargs.items() if (k, v) != ("top_k", 0)},
+                                 device=next(sampler.parameters()).device)
+    on_device.generate_kwargs.update(policy.generate_kwargs)
+    return on_device
+
+
+def collectors(env, policy, sampler, replies: int, device: str) -> dict:
+    """TorchRL's collector, set up as make_collector sets up ours, and ours (on a GPU: also with the wrapper there)."""
     import warnings
 
     from torchrl.collectors.llm import LLMCollector
@@ -71,13 +96,17 @@ def collectors(env, policy, replies: int) -> dict:
         warnings.simplefilter("ignore", FutureWarning)  # TorchRL's InitTracker notice, as make_collector silences it
         torchrl = LLMCollector(env, policy=policy, dialog_turns_per_batch=replies, total_dialog_turns=-1)
     torchrl.return_same_td = True
-    return {"torchrl LLMCollector": iter(torchrl), "OneTurnCollector": iter(make_collector(env, policy, replies))}
+    variants = {"torchrl LLMCollector": iter(torchrl), "OneTurnCollector": iter(make_collector(env, policy, replies))}
+    if device != "cpu":
+        variants["OneTurnCollector, wrapper on the GPU"] = iter(make_collector(env, wrapper_on_device(policy, sampler),
+                                                                               replies))
+    return variants
 
 
 def main(argv=None):
     args = parse_args(argv)
-    env, policy, sampler_s = build(args)
-    batches = collectors(env, policy, args.replies)
+    env, policy, sampler, sampler_s = build(args)
+    batches = collectors(env, policy, sampler, args.replies, args.device)
     names = list(batches)
     for name in names:  # a first collection each: the sampler's first call and the env's lazy setup
         next(batches[name])
@@ -92,11 +121,16 @@ def main(argv=None):
             row["rest_s"] = row["wall_s"] - row["sampler_s"]
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
             rows[name].append(row)
-    before, after = ({key: statistics.median(r[key] for r in rows[name]) for key in ("rest_s", "wall_s", "cpu_s")}
-                     for name in names)
-    print(f"medians of {args.rounds}: outside the sampler {before['rest_s']:.3f} s -> {after['rest_s']:.3f} s "
-          f"({before['rest_s'] / after['rest_s']:.2f}x); whole collection {before['wall_s']:.3f} s -> "
-          f"{after['wall_s']:.3f} s (CPU {before['cpu_s']:.3f} s -> {after['cpu_s']:.3f} s)")
+    medians = {name: {key: statistics.median(r[key] for r in rows[name]) for key in ("rest_s", "wall_s", "cpu_s")}
+               for name in names}
+    ours = medians["OneTurnCollector"]
+    for name in names:
+        if name != "OneTurnCollector":
+            before = medians[name]
+            print(f"medians of {args.rounds}, {name} -> OneTurnCollector: outside the sampler {before['rest_s']:.3f} s "
+                  f"-> {ours['rest_s']:.3f} s ({before['rest_s'] / ours['rest_s']:.2f}x); whole collection "
+                  f"{before['wall_s']:.3f} s -> {ours['wall_s']:.3f} s (CPU {before['cpu_s']:.3f} s -> "
+                  f"{ours['cpu_s']:.3f} s)")
 
 
 if __name__ == "__main__":

@@ -244,6 +244,8 @@ class ReplySampler(torch.nn.Module):
         if unknown or torchrl_options.get("num_return_sequences", 1) != 1:
             raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
         start = time.perf_counter()
+        home, device = input_ids.device, self.model.device  # replies go back where the prompts came from
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         batch, prompt_len = input_ids.shape
         sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
         slots, cache = self.kv_cache(batch, prompt_len + max_new_tokens)
@@ -285,10 +287,10 @@ class ReplySampler(torch.nn.Module):
         if rows is not None:
             tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
         # TorchRL stacks ``logits`` along dim 1 into [B, T]: here, the sampled tokens' log-probs
-        out = {"sequences": torch.cat([input_ids, tokens[:, :generated].to(input_ids.dtype)], dim=1),
-               "logits": log_probs[:, :generated].T.clone()}
-        if input_ids.device.type == "cuda":  # the wrapper's first look at the replies would wait here anyway
-            torch.cuda.synchronize(input_ids.device)
+        out = {"sequences": torch.cat([input_ids, tokens[:, :generated].to(input_ids.dtype)], dim=1).to(home),
+               "logits": log_probs[:, :generated].T.clone().to(home)}
+        if device.type == "cuda":  # so that self.seconds is the decoding's (a copy to the CPU waits anyway)
+            torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - start
         return out
 

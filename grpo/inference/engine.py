@@ -85,14 +85,6 @@ class GeneratingWrapper(TransformersWrapper):
     """TorchRL's transformers wrapper around a ``ReplySampler``, whose ``generate`` returns the sampled
     tokens' log-probs where ``model.generate`` returns full-vocabulary logits (``grpo.inference.decoding``)."""
 
-    def forward(self, tensordict, *args, **kwargs):
-        out = super().forward(tensordict, *args, **kwargs)
-        if self._device is None or torch.device(self._device).type == "cpu":
-            return out
-        # rollouts leave the accelerator right away: envs, rewards and buffers live on the CPU. The
-        # env's tensordicts have no device, so neither may this one (tensordict refuses to mix them).
-        return out.to("cpu").clear_device_()
-
     @classmethod
     def _log_probs_generate(cls, tokens, log_probs, pad_val=-100, pad=True):
         # TorchRL's version takes logits and zeroes the first token's log-prob (0.14.1), which made
@@ -107,8 +99,10 @@ def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: di
     policy = GeneratingWrapper(
         sampler, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
         pad_output=False, generate_kwargs={k: v for k, v in gen_kwargs.items() if (k, v) != ("top_k", 0)},
-        # without it the prompts stay on the CPU and sampling over the vocabulary runs there
-        device=next(sampler.parameters()).device,
+        # no device: the wrapper's tensors stay on the CPU, where envs, rewards and buffers live. The sampler
+        # takes the prompt batch to its GPU and hands back the replies as two CPU tensors, instead of TorchRL
+        # moving prompts and then every reply's tensordict between devices item by item
+        device=None,
     )
     policy.generate_kwargs.update(gen_kwargs)
     return policy
