@@ -53,3 +53,42 @@ def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_di
         assert len(got.user_prompts) == 16 and got.user_prompts == expected.user_prompts
         for name in TENSORS:
             assert torch.equal(getattr(got, name), getattr(expected, name)), name
+
+
+def test_prompt_tokens_are_each_group_s_chat_template_tokenized_once(tiny_model_dir, tiny_data_dir):
+    """A reset gives every reply its prompt's tokens (the chat template with the generation prompt, as TorchRL's
+    wrapper tokenizes a history), rendering each distinct prompt once; the wrapper, taking them, generates what it
+    generates from the history alone, with the same prompt text."""
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+    renders, render = [], tok.apply_chat_template
+    tok.apply_chat_template = lambda conversation, **kw: renders.append(conversation) or render(conversation, **kw)
+    try:
+        reset = env.reset()
+    finally:
+        del tok.apply_chat_template
+    history = reset["history", "prompt"]
+    assert len(renders) == 2 and renders[0] != renders[1]  # 8 replies: 2 prompts x 4
+    expected = history.apply_chat_template(tokenizer=tok, add_generation_prompt=True, tokenize=True, padding=False,
+                                           return_dict=True).get("input_ids", as_list=True)
+    tokens = reset["tokens", "prompt"]
+    assert [row[row != tok.pad_token_id].tolist() for row in tokens] == [row.tolist() for row in expected]
+
+    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64, compact_rows=False), tok,
+                                      gen_kwargs=generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False,
+                                                                 max_new_tokens=16,
+                                                                 stop_ids=stop_token_ids(tok, model.generation_config)))
+    outs = []
+    for given in (reset, reset.exclude("tokens")):
+        torch.manual_seed(0)
+        outs.append(policy(given.copy()))
+    with_tokens, from_history = outs
+    assert with_tokens["text", "prompt"] == from_history["text", "prompt"] == history.apply_chat_template(
+        tokenizer=tok, add_generation_prompt=True)
+    assert with_tokens["text", "response"] == from_history["text", "response"]
+    for key in (("tokens", "full"), ("log_probs", "response")):
+        assert all(torch.equal(a, b) for a, b in zip(with_tokens.get(key, as_list=True),
+                                                      from_history.get(key, as_list=True))), key

@@ -9,7 +9,8 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from grpo.inference.decoding import ReplySampler
-from grpo.inference.generation import EngineSettings, InferenceEngine, as_state_dict, generate_kwargs, weights_checksum
+from grpo.inference.generation import (EngineSettings, InferenceEngine, as_state_dict, generate_kwargs,
+                                      no_nested_tensor_notice, weights_checksum)
 from grpo.process.world import is_sharded
 from grpo.training.models import load_causal_lm, torch_dtype
 
@@ -85,6 +86,10 @@ class GeneratingWrapper(TransformersWrapper):
     """TorchRL's transformers wrapper around a ``ReplySampler``, whose ``generate`` returns the sampled
     tokens' log-probs where ``model.generate`` returns full-vocabulary logits (``grpo.inference.decoding``)."""
 
+    def forward(self, *args, **kwargs):
+        with no_nested_tensor_notice():
+            return super().forward(*args, **kwargs)
+
     @classmethod
     def _log_probs_generate(cls, tokens, log_probs, pad_val=-100, pad=True):
         # TorchRL's version takes logits and zeroes the first token's log-prob (0.14.1), which made
@@ -99,6 +104,7 @@ def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: di
     policy = GeneratingWrapper(
         sampler, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
         pad_output=False, generate_kwargs={k: v for k, v in gen_kwargs.items() if (k, v) != ("top_k", 0)},
+        prefer_tokens=True,  # the env's prompt tokens (grpo.tasks.envs.GroupPromptTokens): no chat template here
         # no device: the wrapper's tensors stay on the CPU, where envs, rewards and buffers live. The sampler
         # takes the prompt batch to its GPU and hands back the replies as two CPU tensors, instead of TorchRL
         # moving prompts and then every reply's tensordict between devices item by item

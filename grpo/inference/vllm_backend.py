@@ -17,7 +17,8 @@ from functools import partial
 import torch
 from torchrl.modules.llm import vLLMWrapper
 
-from grpo.inference.generation import EngineSettings, as_state_dict, generate_kwargs, weights_checksum
+from grpo.inference.generation import (EngineSettings, as_state_dict, generate_kwargs, no_nested_tensor_notice,
+                                      weights_checksum)
 from grpo.inference.vllm_import import import_vllm
 from grpo.process.errors import ConfigError
 from grpo.training.models import torch_dtype
@@ -223,6 +224,10 @@ class QuietVLLMWrapper(vLLMWrapper):
 
     generate_s = 0.0
 
+    def forward(self, *args, **kwargs):
+        with no_nested_tensor_notice():
+            return super().forward(*args, **kwargs)
+
     def _call_generate(self, *args, **kwargs):
         start = time.perf_counter()
         try:
@@ -253,6 +258,7 @@ def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, inp
     generate_kwargs.setdefault("prompt_logprobs", None)
     wrapper_kwargs.setdefault("pad_output", False)
     wrapper_kwargs.setdefault("return_log_probs", True)
+    wrapper_kwargs.setdefault("prefer_tokens", True)  # the env's prompt tokens, where it has them (GroupPromptTokens)
     return QuietVLLMWrapper(llm, tokenizer=tokenizer, input_mode=input_mode, generate=True,
                             generate_kwargs=generate_kwargs, **wrapper_kwargs)
 
