@@ -1,17 +1,20 @@
 """What a user meets around a run, through the scripts as they start them: ``--help`` names the configs,
 a short run is quiet and shows replies to read, sweep jobs are told apart in wandb and by ``resume=auto``."""
 
+import gc
 import re
 import shutil
 import subprocess
 import sys
 import uuid
+import weakref
 from statistics import mean
 
 import pytest
 
 from conftest import REPO
 from grpo.loop.logger import read_metrics
+from grpo.process.setup import freeze_long_lived_objects
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint
 
 SMALL = ["eval.num_problems=8", "eval.batch_size=8", "env.num_envs=16", "env.repeats=4",
@@ -75,3 +78,23 @@ def test_sweep_jobs_get_their_own_wandb_run_and_resume_auto_picks_their_own_run(
             assert resumed["config"]["optimizer"]["lr"] == lr
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_freezing_takes_live_objects_out_of_the_collectors_scans_after_freeing_garbage():
+    """A run freezes what its first step built, so full collections stop walking it (0.28 s of every third collection
+    on the tiny task); a garbage cycle alive only to the collector at that moment is freed, not frozen."""
+    class Node:
+        pass
+
+    garbage, kept = Node(), Node()
+    garbage.itself, kept.itself = garbage, kept  # cycles: only the collector frees them
+    garbage_alive = weakref.ref(garbage)
+    del garbage
+    gc.unfreeze()
+    try:
+        assert any(o is kept for o in gc.get_objects())
+        freeze_long_lived_objects()
+        assert garbage_alive() is None and gc.get_freeze_count() > 0
+        assert not any(o is kept for o in gc.get_objects())  # in the permanent generation: never scanned
+    finally:
+        gc.unfreeze()

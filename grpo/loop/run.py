@@ -34,8 +34,9 @@ from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
-from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, raise_if_interrupted_twice,
-                                resolve_local_paths, resolved_config, seed_everything, write_hydra_record)
+from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, freeze_long_lived_objects,
+                                raise_if_interrupted_twice, resolve_local_paths, resolved_config, seed_everything,
+                                write_hydra_record)
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
@@ -246,8 +247,7 @@ def follow_run(own_gpu: int | None = None) -> int:
 
 
 def train_loop(run: Run, source) -> Run:
-    """Train until ``train.total_steps`` on what ``source`` generates; eval, checkpoints and the end as ``guard``
-    says. The source is shut down however the run ends."""
+    """Train until ``train.total_steps`` on what ``source`` generates (the end as ``guard`` says); then shut it down."""
     cfg = run.cfg
     try:
         with guard(run, source):
@@ -278,6 +278,8 @@ def steps(run: Run):
         run.step = step
         with profile_to(str(run.run_dir), step) if step == cfg.logging.profile_step else contextlib.nullcontext():
             yield step
+        if step == bar.iterable.start:  # its compiles are done: the garbage collector need not walk it all again
+            freeze_long_lived_objects()
         bar.set_postfix(run.records.postfix)
         run.stop_flag.raise_if_set()  # at a step boundary, after that step's eval and checkpoint
 

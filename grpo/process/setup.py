@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import random
 import signal
@@ -98,6 +99,15 @@ def write_hydra_record(run_dir: Path, task_config: str) -> None:
     for name, text in (("config.yaml", task_config), ("hydra.yaml", OmegaConf.to_yaml(hydra_cfg)),
                        ("overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))):
         (folder / name).write_text(text)
+
+
+def freeze_long_lived_objects() -> None:
+    """Take every object alive now (models, tokenizer, data, compiled graphs) out of the garbage collector's scans,
+    after a collection so that no garbage is kept. Its full collections walk every object: in a rollout process one
+    cost 0.28 s of every third 128-reply collection (one CPU thread, the tiny model), 0.03 s once frozen. Called
+    once a first step or batch has built what the run keeps."""
+    gc.collect()
+    gc.freeze()
 
 
 def seed_everything(seed: int) -> None:

@@ -16,6 +16,7 @@ weights, and the batches it held are assigned again before any new one, up to
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -30,7 +31,7 @@ from grpo.inference.generation import EngineSettings, as_state_dict, tensor_plac
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.errors import UserError
 from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share
-from grpo.process.setup import raise_if_stop_signalled, ray_pythonpath
+from grpo.process.setup import freeze_long_lived_objects, raise_if_stop_signalled, ray_pythonpath
 from grpo.rollout.dynamic_sampling import env_batches_per_draw
 from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, serve_from
@@ -95,6 +96,8 @@ class RolloutWorker:
         stats["reward_s"] = take_reward_seconds(self.env)
         stats["replies"] = len(batch)
         stats["tokens"] = int(batch.reply_lengths.sum())
+        if gc.get_freeze_count() == 0:  # this worker's first batch built its decode graphs: the rest lives on
+            freeze_long_lived_objects()
         self._idle_since = time.perf_counter()
         return batch, self.inference.version, stats
 
