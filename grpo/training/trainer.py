@@ -4,12 +4,14 @@ keeps and the one fact the crash policy needs: whether an update is half done.""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 
 import torch
 
 from grpo.inference.generation import inference_state_dict
 from grpo.process.errors import UserError
+from grpo.process.setup import freeze_long_lived_objects
 from grpo.process.world import World, is_sharded
 from grpo.training import checkpoint as ckpt
 from grpo.training.logprobs import ReplyLogProbs
@@ -105,6 +107,8 @@ class Trainer:
                 return args[0]
             with contextlib.suppress(UserError):
                 commands[command](*args)
+            if command == "update" and gc.get_freeze_count() == 0:  # its first step, as rank 0 (grpo.loop.run.steps)
+                freeze_long_lived_objects()
 
     def weights_finite(self) -> bool:
         return all(p.isfinite().all() for group in self.optimizer.param_groups for p in group["params"])
