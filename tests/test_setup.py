@@ -82,7 +82,8 @@ def test_sweep_jobs_get_their_own_wandb_run_and_resume_auto_picks_their_own_run(
 
 def test_freezing_takes_live_objects_out_of_the_collectors_scans_after_freeing_garbage():
     """A run freezes what its first step built, so full collections stop walking it (0.28 s of every third collection
-    on the tiny task); a garbage cycle alive only to the collector at that moment is freed, not frozen."""
+    on the tiny task); a garbage cycle alive only to the collector at that moment is freed, not frozen; later calls
+    freeze nothing."""
     class Node:
         pass
 
@@ -96,5 +97,9 @@ def test_freezing_takes_live_objects_out_of_the_collectors_scans_after_freeing_g
         freeze_long_lived_objects()
         assert garbage_alive() is None and gc.get_freeze_count() > 0
         assert not any(o is kept for o in gc.get_objects())  # in the permanent generation: never scanned
+        later = Node()
+        later.itself = later
+        freeze_long_lived_objects()  # once per process: a later call (each step calls it) freezes nothing more
+        assert any(o is later for o in gc.get_objects())
     finally:
         gc.unfreeze()

@@ -278,8 +278,7 @@ def steps(run: Run):
         run.step = step
         with profile_to(str(run.run_dir), step) if step == cfg.logging.profile_step else contextlib.nullcontext():
             yield step
-        if step == bar.iterable.start:  # its compiles are done: the garbage collector need not walk it all again
-            freeze_long_lived_objects()
+        freeze_long_lived_objects()  # the first step's compiles are done: the collector need not walk it all again
         bar.set_postfix(run.records.postfix)
         run.stop_flag.raise_if_set()  # at a step boundary, after that step's eval and checkpoint
 

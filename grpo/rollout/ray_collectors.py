@@ -16,7 +16,6 @@ weights, and the batches it held are assigned again before any new one, up to
 
 from __future__ import annotations
 
-import gc
 import sys
 import threading
 import time
@@ -96,8 +95,7 @@ class RolloutWorker:
         stats["reward_s"] = take_reward_seconds(self.env)
         stats["replies"] = len(batch)
         stats["tokens"] = int(batch.reply_lengths.sum())
-        if gc.get_freeze_count() == 0:  # this worker's first batch built its decode graphs: the rest lives on
-            freeze_long_lived_objects()
+        freeze_long_lived_objects()  # the first batch built this worker's decode graphs: the rest lives on
         self._idle_since = time.perf_counter()
         return batch, self.inference.version, stats
 

@@ -4,7 +4,6 @@ keeps and the one fact the crash policy needs: whether an update is half done.""
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 
 import torch
@@ -107,7 +106,7 @@ class Trainer:
                 return args[0]
             with contextlib.suppress(UserError):
                 commands[command](*args)
-            if command == "update" and gc.get_freeze_count() == 0:  # its first step, as rank 0 (grpo.loop.run.steps)
+            if command == "update":  # after its first step, as rank 0 (grpo.loop.run.steps)
                 freeze_long_lived_objects()
 
     def weights_finite(self) -> bool:
