@@ -11,8 +11,9 @@ of 90-160 tokens, group advantages, the sampler's log-probs equal to the model's
 Reply lengths are ``cap`` (every reply at ``--max-new-tokens``, as a random-init model writes) or
 ``real`` (spread like the real Qwen2.5-Coder-0.5B's GSM8K replies: mean ~300, 5% cut at the cap).
 
-Each variant (``--variants``: ``ckpt=<share of layers recomputed, 0-1>,rows=<max rows>,tokens=<max padded tokens
-or 0>``; ``train_model.checkpoint_fraction``) starts
+Each variant (``--variants``: ``ckpt=<share of layers recomputed, 0-1>,rows=<max rows>,tokens=<max tokens or 0>,
+packed=<0|1>``; ``train_model.checkpoint_fraction``, ``train.packed_sequences``: tokens are real ones when packed,
+padded ones otherwise) starts
 from the same weights, runs one warm-up ``optimize`` and ``--repeats`` timed ones. It prints the
 train part's seconds, the micro-batches per minibatch, the reply+prompt tokens trained, the model
 FLOP/s (6 x parameters x tokens / s, recompute not counted, so checkpointing shows as a cost) and
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-DEFAULT_VARIANTS = "ckpt=1,rows=8,tokens=0;ckpt=0,rows=32,tokens=16384;ckpt=1,rows=32,tokens=32768"
+DEFAULT_VARIANTS = "ckpt=1,rows=32,tokens=32768,packed=0;ckpt=1,rows=32,tokens=32768,packed=1;ckpt=0,rows=32,tokens=16384,packed=1"
 
 
 def parse_args(argv=None):
@@ -54,7 +55,8 @@ def parse_args(argv=None):
 
 def parse_variant(text: str) -> dict:
     fields = dict(part.split("=") for part in text.split(","))
-    return {"ckpt": float(fields["ckpt"]), "rows": int(fields["rows"]), "tokens": int(fields["tokens"]) or None}
+    return {"ckpt": float(fields["ckpt"]), "rows": int(fields["rows"]), "tokens": int(fields["tokens"]) or None,
+            "packed": bool(int(fields.get("packed", 0)))}
 
 
 def reply_lengths(spread: str, n: int, cap: int, gen):
@@ -114,6 +116,9 @@ def main(argv=None) -> None:
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         params = sum(p.numel() for p in initial.values()) - initial["model.embed_tokens.weight"].numel()
         base = GRPOSettings.from_config(cfg)
+        policy = ReplyLogProbs(model)
+        if base.compile:  # once: every variant's step then shares the compiled layers and head
+            policy.compile_for_training()
         for spread in args.lengths.split(","):
             batch, prompt_len, reply_len = synthetic_batch(len(tokenizer), args, spread, tokenizer.pad_token_id)
             batch["behaviour_log_probs"] = score_replies(batch, ReplyLogProbs(model), base).float()  # on-policy
@@ -121,14 +126,16 @@ def main(argv=None) -> None:
             objectives = []
             for variant in variants:
                 enable_activation_checkpointing(model, variant["ckpt"])
-                settings = dataclasses.replace(base, gradient_checkpointing=variant["ckpt"] > 0,
-                                               micro_batch_size=variant["rows"], micro_batch_tokens=variant["tokens"])
+                settings = dataclasses.replace(base, gradient_checkpointing=variant["ckpt"] > 0, compile=False,
+                                               micro_batch_size=variant["rows"], micro_batch_tokens=variant["tokens"],
+                                               packed_sequences=variant["packed"])
+                policy.packed = variant["packed"]
                 times, first = [], None
                 for call in range(1 + args.repeats):
                     with torch.no_grad():
                         model.load_state_dict(initial)
                     optimizer = make_optimizer(cfg, model)
-                    step = GRPOStep(settings, policy=ReplyLogProbs(model), optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 10),
+                    step = GRPOStep(settings, policy=policy, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 10),
                                     pad_token_id=tokenizer.pad_token_id, stop_token_ids=[])
                     torch.manual_seed(args.seed)  # the same minibatches for every variant
                     if device.type == "cuda":
@@ -146,7 +153,8 @@ def main(argv=None) -> None:
                 best = min(times)
                 print(json.dumps({
                     "lengths": spread, "mean_reply": round(float(reply_len.float().mean()), 1), "ckpt": variant["ckpt"],
-                    "rows": variant["rows"], "tokens_cap": variant["tokens"], "micro_batches": metrics["micro_batches"],
+                    "rows": variant["rows"], "tokens_cap": variant["tokens"], "packed": variant["packed"],
+                    "micro_batches": metrics["micro_batches"],
                     "train_s": round(best, 3), "tokens": tokens, "model_tflop_s": round(6 * params * tokens / best / 1e12, 2),
                     "peak_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if device.type == "cuda" else None,
                     "objective": first}))

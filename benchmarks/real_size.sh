@@ -12,6 +12,9 @@
 #                  6 steps each with replies capped at 512 and at 128 tokens: the step and its train part against
 #                  the real token count (issue 32)
 #   q05_draws      the same model and recipe as is (dynamic sampling), 8 steps each with draws of 128 and of 256
+#   q05_packing    the same model, one generation batch a step, 8 steps each: packed rows (the default) and padded
+#                  ones (train.packed_sequences=false) with replies capped at 512, packed rows capped at 128
+#   packing_1p5b   default_1p5b with 6 steps, packed rows and padded ones
 #   q05_compact    the same model, one generation batch a step, 8 steps each with inference_model.compact_rows off and
 #                  on (rows whose reply ended leave the decode batch), then bench_generation.py's random-init 0.5B and
 #                  1.5B shapes x 128 with replies ending after ~300 tokens (--mean-reply 300), ours against compact
@@ -60,6 +63,14 @@ for part in "$@"; do
     q05_lengths)
       run q05_cap512 300 "${q05[@]}" train.total_steps=6 train.dynamic_sampling=false
       run q05_cap128 300 "${q05[@]}" train.total_steps=6 train.dynamic_sampling=false inference_model.max_new_tokens=128 ;;
+    q05_packing)
+      run q05_packed 300 "${q05[@]}" train.total_steps=8 train.dynamic_sampling=false
+      run q05_padded 300 "${q05[@]}" train.total_steps=8 train.dynamic_sampling=false train.packed_sequences=false
+      run q05_packed128 300 "${q05[@]}" train.total_steps=8 train.dynamic_sampling=false inference_model.max_new_tokens=128 ;;
+    packing_1p5b)
+      random_init_1p5b
+      run packed_1p5b 470 "${default_1p5b[@]}" train.total_steps=6
+      run padded_1p5b 470 "${default_1p5b[@]}" train.total_steps=6 train.packed_sequences=false ;;
     q05_draws)
       run q05_draw128 300 "${q05[@]}" train.total_steps=8
       run q05_draw256 300 "${q05[@]}" train.total_steps=8 env.num_envs=256 ;;

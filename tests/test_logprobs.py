@@ -41,3 +41,27 @@ def test_log_probs_in_chunks_equal_one_full_width_pass(setup, monkeypatch, tempe
     for g_chunked, g_full in zip(grads_chunked, grads_full):
         torch.testing.assert_close(g_chunked, g_full, atol=5e-5, rtol=1e-3)
     model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_rows_give_the_dense_log_probs_entropy_and_gradients(setup, temperature):
+    """Rows of different prompt and reply lengths, their real tokens end to end: each reply token's log-prob and
+    entropy, and the gradients, are the padded rows'; the packed values are 0 at the pads."""
+    _, _, model, _, batch = setup
+    part = trim_padding(batch)
+    width, mask = part["reply_mask"].shape[1], part["reply_mask"]
+    assert len(set(part["prompt_length"].tolist())) > 1 and len(set(part["reply_length"].tolist())) > 1
+    results = []
+    for packed in (False, True):
+        model.zero_grad(set_to_none=True)
+        lp, entropy = token_log_probs(model, part["input_ids"], part["attention_mask"], width, with_entropy=True,
+                                      entropy_grad=True, temperature=temperature, packed=packed)
+        ((lp * mask).sum() + (entropy * mask).sum() / mask.sum()).backward()
+        results.append((lp.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp_dense, ent_dense, grads_dense), (lp_packed, ent_packed, grads_packed) = results
+    torch.testing.assert_close(lp_packed[mask], lp_dense[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_packed[mask], ent_dense[mask], atol=1e-5, rtol=1e-5)
+    assert (lp_packed[~mask] == 0).all() and (ent_packed[~mask] == 0).all()
+    for g_packed, g_dense in zip(grads_packed, grads_dense):
+        torch.testing.assert_close(g_packed, g_dense, atol=5e-5, rtol=1e-3)
+    model.zero_grad(set_to_none=True)

@@ -252,7 +252,8 @@ def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
 
 def make_step(cfg, model, ref_model=None, **settings) -> GRPOStep:
     optimizer = make_optimizer(cfg, model)
-    return GRPOStep(dataclasses.replace(GRPOSettings.from_config(cfg), **settings), policy=ReplyLogProbs(model),
+    settings = dataclasses.replace(GRPOSettings.from_config(cfg), **settings)
+    return GRPOStep(settings, policy=ReplyLogProbs(model, packed=settings.packed_sequences),
                     optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), ref_model=ref_model,
                     pad_token_id=0, stop_token_ids=[])
 
@@ -327,6 +328,33 @@ def test_micro_batches_of_short_replies_hold_more_rows():
     assert [rows for rows, _ in cuts] == [[2, 1, 5, 4], [0, 3]]
     assert cuts[0][1]["input_ids"].shape == (4, 7) and cuts[1][1]["input_ids"].shape == (2, 24)
     assert [rows.tolist() for rows, _ in micro_batches(batch, 3, None)] == [[2, 1, 5], [4, 0, 3]]
+    # packed rows count their real tokens (5, 6, 6, 7, 24, 24): five fit in 48
+    assert [rows.tolist() for rows, _ in micro_batches(batch, 6, 2 * 24, packed=True)] == [[2, 1, 5, 4, 0], [3]]
+
+
+def test_packed_step_trains_as_the_dense_step(setup):
+    """train.packed_sequences changes how the rows reach the model, not the loss: the same metrics and the same
+    weights after its optimiser steps as with padded rows, the reference's log-probs included."""
+    cfg, _, model, _, batch = setup
+    batch = batch.clone()
+    batch["advantage"] = torch.linspace(-1.0, 1.0, batch.shape[0])
+    outcomes = []
+    for packed in (False, True):
+        policy = copy.deepcopy(model)
+        step = make_step(cfg, policy, ref_model=copy.deepcopy(model).requires_grad_(False), packed_sequences=packed,
+                         optim_batch_size=4, micro_batch_size=4, micro_batch_tokens=40)
+        scored = batch.clone()
+        scored["ref_log_probs"] = score_replies(scored, step.ref, step.s)
+        torch.manual_seed(0)  # the same minibatches
+        metrics = step.optimize(scored)
+        outcomes.append((scored["ref_log_probs"], metrics, dict(policy.named_parameters())))
+    (ref_d, metrics_d, weights_d), (ref_p, metrics_p, weights_p) = outcomes
+    torch.testing.assert_close(ref_p, ref_d, atol=1e-5, rtol=1e-5)
+    assert metrics_p["optim_steps"] == metrics_d["optim_steps"] >= 2 and metrics_p["micro_batches"] > 1
+    for key in ("loss_objective", "entropy", "kl_to_inference", "clip_fraction", "grad_norm"):
+        assert metrics_p[key] == pytest.approx(metrics_d[key], rel=1e-4, abs=1e-6), key
+    for name, weight in weights_d.items():
+        torch.testing.assert_close(weights_p[name], weight, atol=1e-6, rtol=1e-5)
 
 
 def test_reference_scoring_in_micro_batches_equals_one_pass(setup):

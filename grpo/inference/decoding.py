@@ -8,7 +8,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 
 - sizes the KV cache to the batch's need (longest prompt + ``max_new_tokens``), rounded up to
   ``cache_bucket`` tokens so the compiled step is reused across batches;
-- reads each K/V head once for its group of query heads when decoding (``decode_attention``);
+- reads each K/V head once for its group of query heads when decoding (``grpo.training.attention``);
 - in an inference copy, runs each layer's q/k/v and gate/up projections as one GEMM each
   (``grpo.inference.fused_projections``: 23.8% -> 25.8% of the bound at 1.5B x 128 on an H100);
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores);
@@ -24,13 +24,11 @@ import inspect
 import time
 
 import torch
-from transformers import AttentionInterface, StaticCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers import StaticCache
 
 from grpo.inference.fused_projections import fuse_projections
+from grpo.training.attention import use_project_attention
 
-DECODE_ATTENTION = "grpo_decode"
 # counting the rows still decoding waits for the GPU; checking every few tokens keeps the CPU ahead of the GPU
 STOP_CHECK_EVERY = 8
 # the batch halves no further: below it a decode step costs about the same on a GPU (latency-bound: 1.5B on an
@@ -41,28 +39,6 @@ SMALLEST_COMPACTED_BATCH = 16
 DECODE_RECOMPILE_LIMIT = 64
 # the options TorchRL's wrapper adds to every generate call; this loop returns what they ask for
 TORCHRL_GENERATE_OPTIONS = {"tokenizer", "output_logits", "return_dict_in_generate", "num_return_sequences"}
-
-
-def decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """SDPA, except for one-token queries (decoding): the query heads of a KV group are batched
-    against their shared K/V, so the cache is read once and never copied per head."""
-    if query.shape[2] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    batch, q_heads, _, head_dim = query.shape
-    kv_heads = key.shape[1]
-    scaling = head_dim ** -0.5 if scaling is None else scaling
-    q = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling       # [B, kv heads, group, slots]
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -1:, : key.shape[2]]                     # [B, 1, 1, slots]
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)           # [B, kv heads, group, head dim]
-    return out.reshape(batch, q_heads, 1, head_dim).transpose(1, 2), None
-
-
-AttentionInterface.register(DECODE_ATTENTION, decode_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(DECODE_ATTENTION, sdpa_mask)
 
 
 def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float):
@@ -177,7 +153,7 @@ class ReplySampler(torch.nn.Module):
         self.batch_sizes: list[int] = []  # the last generate call's decode batches, first to last
         self.seconds = 0.0  # in generate calls so far, until their replies were on the GPU
         self.cache_name = cache_argument(model)
-        model.set_attn_implementation(DECODE_ATTENTION)
+        use_project_attention(model)
         if not any(p.requires_grad for p in model.parameters()):  # an inference copy, never trained
             fuse_projections(model)
         device = next(model.parameters()).device

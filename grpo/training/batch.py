@@ -84,28 +84,31 @@ def group_ids(replies: Replies) -> torch.Tensor:
     return torch.tensor([ids.setdefault(tuple(p.tolist()), len(ids)) for p in replies.prompts()], dtype=torch.long)
 
 
-def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None):
+def micro_batches(batch: TensorDict, max_rows: int, max_tokens: int | None, packed: bool = False):
     """``(rows, trimmed micro-batch)`` pairs covering ``batch``, cut by ``micro_batch_rows``."""
-    for rows in micro_batch_rows(batch, max_rows, max_tokens):
+    for rows in micro_batch_rows(batch, max_rows, max_tokens, packed=packed):
         yield rows, trim_padding(batch[rows])
 
 
-def micro_batch_rows(batch: TensorDict, max_rows: int, max_tokens: int | None, min_rows: int = 1) -> list:
+def micro_batch_rows(batch: TensorDict, max_rows: int, max_tokens: int | None, min_rows: int = 1,
+                     packed: bool = False) -> list:
     """Row indices of micro-batches covering ``batch``: rows sorted by length and cut greedily at
-    ``max_rows`` rows or ``max_tokens`` padded tokens (rows x trimmed width), so short replies share
-    micro-batches and are not padded to the longest reply of a random draw. A cut of fewer than
-    ``min_rows`` rows joins its neighbour (data-parallel ranks each need a row of every micro-batch)."""
+    ``max_rows`` rows or ``max_tokens`` tokens: padded ones (rows x trimmed width), or real ones when the rows
+    are ``packed``; short replies share micro-batches and are not padded to the longest reply of a random draw.
+    A cut of fewer than ``min_rows`` rows joins its neighbour (data-parallel ranks each need a row of every
+    micro-batch)."""
     lengths = batch["prompt_length"] + batch["reply_length"]
     order = lengths.argsort(stable=True).tolist()
-    prompt_len, reply_len = batch["prompt_length"].tolist(), batch["reply_length"].tolist()
-    cuts, current, width_p, width_r = [], [], 0, 0
+    prompt_len, reply_len, length = batch["prompt_length"].tolist(), batch["reply_length"].tolist(), lengths.tolist()
+    cuts, current, width_p, width_r, real = [], [], 0, 0, 0
     for row in order:
         wp, wr = max(width_p, prompt_len[row]), max(width_r, reply_len[row])
-        if current and (len(current) == max_rows or (max_tokens and (len(current) + 1) * (wp + wr) > max_tokens)):
+        tokens = real + length[row] if packed else (len(current) + 1) * (wp + wr)
+        if current and (len(current) == max_rows or (max_tokens and tokens > max_tokens)):
             cuts.append(current)
-            current, wp, wr = [], prompt_len[row], reply_len[row]
+            current, wp, wr, real = [], prompt_len[row], reply_len[row], 0
         current.append(row)
-        width_p, width_r = wp, wr
+        width_p, width_r, real = wp, wr, real + length[row]
     cuts.append(current)
     merged = []
     for cut in cuts:

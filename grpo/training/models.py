@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from grpo.process.errors import ModelLoadError
+from grpo.training.attention import use_project_attention
 from grpo.tasks.data import looks_local
 
 
@@ -92,7 +93,8 @@ def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.de
     """A causal LM on ``device``.
 
     Its embeddings grow to the tokenizer when ``load_tokenizer`` added a pad token, so the
-    policy, the reference and every inference copy have the same parameter shapes.
+    policy, the reference and every inference copy have the same parameter shapes. It attends with
+    ``grpo.training.attention`` (SDPA, plus packed rows and decoding's grouped heads).
     """
     _check_model_name(name)
     try:
@@ -101,6 +103,7 @@ def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.de
         raise ModelLoadError(f"model.name={name!r}: cannot load the model ({err}). Offline? Pass a local path.") from err
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
+    use_project_attention(model)
     return model.to(device)
 
 

@@ -1,0 +1,79 @@
+"""The attention every model of a run computes with, registered with transformers as ``ATTENTION``:
+
+- packed rows (``packed_cu_seqlens`` among the keyword arguments): each row of real tokens attends causally to
+  itself only, by FlashAttention's variable-length kernel on a GPU (``packed_attention``);
+- one-token queries (decoding): the query heads of a KV group batched against their shared K/V
+  (``decode_attention``);
+- anything else: transformers' SDPA.
+
+One function for all three, set once when a model is loaded: where the sampler is the trained model itself (one
+GPU, one dtype), generation and training call the same modules, and switching the implementation between them
+would recompile the captured decode step.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION = "grpo"
+
+
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    if "packed_cu_seqlens" in kwargs:
+        return packed_attention(query, key, value, kwargs["packed_cu_seqlens"], kwargs["packed_max_length"], scaling)
+    if query.shape[2] == 1:
+        return decode_attention(query, key, value, attention_mask, scaling)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def use_project_attention(model) -> None:
+    model.set_attn_implementation(ATTENTION)
+
+
+def decode_attention(query, key, value, attention_mask, scaling=None):
+    """One-token queries: the cache is read once per KV group and never copied per query head."""
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    q = query.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling       # [B, kv heads, group, slots]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -1:, : key.shape[2]]                     # [B, 1, 1, slots]
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)           # [B, kv heads, group, head dim]
+    return out.reshape(batch, q_heads, 1, head_dim).transpose(1, 2), None
+
+
+def packed_attention(query, key, value, cu_seqlens, max_length: int, scaling=None):
+    """``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``: rows laid end to end, row i the tokens
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``, each attending causally within itself. Returns ``[1, T, Hq, D]``.
+
+    On a GPU in half precision: FlashAttention's variable-length kernel (``torch.nn.attention.varlen``), which
+    reads no pads. Elsewhere the rows are scattered into a padded batch for SDPA and gathered back: exact, and
+    the pads cost only in attention (the CPU, the tests)."""
+    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))       # [T, H, D]; fewer K/V heads: grouped
+        out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling, window_size=(-1, 0))
+        return out[None], None
+    index = torch.arange(query.shape[2], device=query.device)
+    starts = cu_seqlens.long()
+    row = torch.searchsorted(starts[1:], index, right=True)
+    col = index - starts[row]
+
+    def padded(x):  # [1, H, T, D] -> [rows, H, max_length, D], right-padded: causal attention never sees the pads
+        out = x.new_zeros(starts.shape[0] - 1, x.shape[1], max_length, x.shape[3])
+        out[row, :, col] = x[0].transpose(0, 1)
+        return out
+
+    out = torch.nn.functional.scaled_dot_product_attention(padded(query), padded(key), padded(value), is_causal=True,
+                                                           scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out[row, :, col][None], None
+
+
+AttentionInterface.register(ATTENTION, attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
