@@ -54,16 +54,19 @@ def packed_attention(query, key, value, cu_seqlens, max_length: int, scaling=Non
     On a GPU in half precision: FlashAttention's variable-length kernel (``torch.nn.attention.varlen``), which
     reads no pads. Elsewhere the rows are scattered into a padded batch for SDPA and gathered back: exact, and
     the pads cost only in attention (the CPU, the tests)."""
-    if query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+    # under autocast, as SDPA would: the rotary embedding left q and k in float32
+    half = torch.get_autocast_dtype("cuda") if query.is_cuda and torch.is_autocast_enabled("cuda") else query.dtype
+    if query.is_cuda and half in (torch.float16, torch.bfloat16):
         from torch.nn.attention.varlen import varlen_attn
 
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))       # [T, H, D]; fewer K/V heads: grouped
+        q, k, v = (x[0].transpose(0, 1).to(half) for x in (query, key, value))  # [T, H, D]; fewer K/V heads: grouped
         out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_length, max_length, scale=scaling, window_size=(-1, 0))
         return out[None], None
-    index = torch.arange(query.shape[2], device=query.device)
-    starts = cu_seqlens.long()
-    row = torch.searchsorted(starts[1:], index, right=True)
-    col = index - starts[row]
+    total, starts = query.shape[2], cu_seqlens.long()
+    # each token's row: the row starts at or before it (a cumulative count; inductor cannot lower searchsorted here)
+    row = torch.zeros(total, dtype=torch.long, device=query.device).index_add_(
+        0, starts[1:-1], torch.ones_like(starts[1:-1])).cumsum(0)
+    col = torch.arange(total, device=query.device) - starts[row]
 
     def padded(x):  # [1, H, T, D] -> [rows, H, max_length, D], right-padded: causal attention never sees the pads
         out = x.new_zeros(starts.shape[0] - 1, x.shape[1], max_length, x.shape[3])
