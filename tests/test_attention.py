@@ -1,9 +1,11 @@
 """The project's attention: decoding's grouped heads and packed rows give what SDPA gives."""
 
+import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from grpo.training.attention import decode_attention, packed_attention
+from grpo.process.errors import ModelLoadError
+from grpo.training.attention import PACKED_PLACEHOLDER_MASK_SHAPE, attention, decode_attention, packed_attention
 
 
 def sdpa_module(q_heads: int, kv_heads: int) -> torch.nn.Module:
@@ -43,3 +45,12 @@ def test_packed_rows_attend_causally_within_themselves_only():
         torch.testing.assert_close(ours[:, start:end], theirs, atol=1e-5, rtol=1e-5)
     whole, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.3, is_causal=True)
     assert not torch.allclose(ours[:, 6:], whole[:, 6:], atol=1e-3)
+
+
+def test_packed_rows_without_their_bounds_are_refused():
+    """A decoder that drops its keyword arguments would hand the packed rows to SDPA with the placeholder mask, and
+    every row would attend to the rows before it: one line instead."""
+    query = key = value = torch.randn(1, 2, 6, 4)
+    placeholder = torch.ones(PACKED_PLACEHOLDER_MASK_SHAPE, dtype=torch.bool)
+    with pytest.raises(ModelLoadError, match="packed rows without their bounds.*train.packed_sequences=false"):
+        attention(sdpa_module(2, 2), query, key, value, placeholder)

@@ -18,12 +18,20 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from grpo.process.errors import ModelLoadError
+
 ATTENTION = "grpo"
+# what packed rows pass as the attention mask (transformers returns a 4D mask as it is): no [T, T] mask is built
+PACKED_PLACEHOLDER_MASK_SHAPE = (1, 1, 1, 1)
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     if "packed_cu_seqlens" in kwargs:
         return packed_attention(query, key, value, kwargs["packed_cu_seqlens"], kwargs["packed_max_length"], scaling)
+    if attention_mask is not None and tuple(attention_mask.shape) == PACKED_PLACEHOLDER_MASK_SHAPE and query.shape[2] > 1:
+        # packed rows whose bounds did not get here: SDPA would let every row attend to the rows before it
+        raise ModelLoadError(f"{type(module).__name__} got packed rows without their bounds: this model's decoder does "
+                             "not pass keyword arguments on to its attention. Set train.packed_sequences=false.")
     if query.shape[2] == 1:
         return decode_attention(query, key, value, attention_mask, scaling)
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -11,6 +11,7 @@ from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
 
 from grpo.process.world import World
+from grpo.training.attention import PACKED_PLACEHOLDER_MASK_SHAPE
 from grpo.training.batch import micro_batches
 from grpo.training.models import compile_decoder_layers, compiled, compiled_with_grad
 
@@ -119,8 +120,7 @@ def packed_reply_states(model, input_ids, attention_mask, width_r: int):
     lengths = real.sum(-1)
     cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
     position = real.long().cumsum(-1) - 1  # each real token's position in its row
-    # a 4D mask passes transformers' mask building as it is, and packed_attention never reads it: no [T, T] mask
-    placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    placeholder_mask = torch.ones(PACKED_PLACEHOLDER_MASK_SHAPE, dtype=torch.bool, device=input_ids.device)
     hidden = model.get_decoder()(input_ids=input_ids[real][None], position_ids=position[real][None],
                                  attention_mask=placeholder_mask, use_cache=False, packed_cu_seqlens=cu_seqlens,
                                  packed_max_length=int(lengths.max())).last_hidden_state[0]
