@@ -4,7 +4,9 @@ test_user_task.py)."""
 import warnings
 
 import torch
+from tensordict import TensorDict
 from torchrl.collectors.llm import LLMCollector
+from torchrl.envs import RenameTransform
 
 from conftest import compose
 from grpo.inference.decoding import ReplySampler
@@ -13,7 +15,7 @@ from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
 from grpo.rollout.replies import TENSORS, Replies
 from grpo.tasks.data import serve_from
-from grpo.tasks.envs import OneTurnCollector, make_collector, make_env
+from grpo.tasks.envs import OneTurnCollector, inverts_nothing, make_collector, make_env
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 
@@ -92,3 +94,40 @@ def test_prompt_tokens_are_each_group_s_chat_template_tokenized_once(tiny_model_
     for key in (("tokens", "full"), ("log_probs", "response")):
         assert all(torch.equal(a, b) for a, b in zip(with_tokens.get(key, as_list=True),
                                                       from_history.get(key, as_list=True))), key
+
+
+def test_a_step_passes_its_input_on_as_it_is_while_no_transform_inverts(tiny_model_dir, tiny_data_dir):
+    """TorchRL's Transform.inv copies a step's input before the transforms invert it; none of a task env's does,
+    so the copy is skipped: the same collection, key for key and reply for reply, as with TorchRL's own inverse.
+    A transform that does invert gets the copy back."""
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "env.repeats=4",
+                                "env.num_envs=8", "inference_model.max_new_tokens=16"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    options = generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=16,
+                              stop_ids=stop_token_ids(tok, model.generation_config))
+    collected, copies = {}, []
+    for torchrl_inverse in (True, False):
+        env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+        assert all(inverts_nothing(t) for t in env.transform)
+        if torchrl_inverse:
+            del env.transform.inv  # TorchRL's own, which copies
+        policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True), tok,
+                                          gen_kwargs=options)
+        collector = make_collector(env, policy, 8)
+        serve_from(env, collector, 3)
+        torch.manual_seed(0)
+        batch = next(iter(collector))
+        collected[torchrl_inverse] = (sorted(map(str, batch.keys(True, True))), Replies.from_collector(batch))
+    (keys_torchrl, theirs), (keys_ours, ours) = collected[True], collected[False]
+    assert keys_ours == keys_torchrl
+    assert ours.user_prompts == theirs.user_prompts
+    for name in TENSORS:
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+    env.append_transform(RenameTransform(in_keys=[], out_keys=[], in_keys_inv=["action"], out_keys_inv=["move"]))
+    assert not inverts_nothing(env.transform[-1])
+    step_input = TensorDict({"move": torch.ones(2)}, batch_size=[2])
+    inverted = env.transform.inv(step_input)
+    assert inverted is not step_input and "action" in inverted.keys()  # TorchRL's inverse again, copy and all

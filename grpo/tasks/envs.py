@@ -17,7 +17,7 @@ import warnings
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack, unravel_key
 from torch.nn.utils.rnn import pad_sequence
 from torchrl.collectors.llm import LLMCollector
-from torchrl.envs import StepCounter
+from torchrl.envs import Compose, StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv, IFEvalEnv
 from torchrl.envs.llm.datasets.gsm8k import _collate_fn as gsm8k_collate
 from torchrl.envs.llm.transforms import IncrementalTokenizer
@@ -295,7 +295,25 @@ def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle
             prompt_key=task.prompt_column(cfg), answer_key=task.answer_column(cfg), split=split,
             tokenizer=tokenizer, sole=task.rewards_alone, timeout_s=cfg.reward.timeout_s,
             success_threshold=cfg.reward.success_threshold))
+    skip_identity_inverse(env.transform)
     return env
+
+
+def skip_identity_inverse(compose: Compose) -> None:
+    """A step runs ``compose.inv`` on its input before the base env sees it, and TorchRL's ``Transform.inv``
+    shallow-clones that tensordict first, whether or not any transform inverts anything. None of a task env's
+    transforms does, and the clone of 128 lazily stacked chat steps cost 0.09 s of a 0.40 s collection outside the
+    sampler (one CPU thread): while the chain inverts nothing, the step's input goes through as it is."""
+    inverse = compose.inv
+
+    def inv(tensordict):
+        return tensordict if all(inverts_nothing(t) for t in compose) else inverse(tensordict)
+
+    compose.inv = inv
+
+
+def inverts_nothing(transform: Transform) -> bool:
+    return not transform.in_keys_inv and type(transform)._inv_call is Transform._inv_call
 
 
 class OneTurnCollector(LLMCollector):
