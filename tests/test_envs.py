@@ -25,18 +25,24 @@ def torchrl_collector(env, policy, replies: int) -> LLMCollector:
         return LLMCollector(env, policy=policy, dialog_turns_per_batch=replies, total_dialog_turns=-1)
 
 
-def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_dir, tiny_data_dir):
-    """Served from the same prompt batch, with the same sampling seed, two collections in a row of two env batches
-    each hold the same prompts, replies, log-probs, rewards and rows, in the same order, as TorchRL's
-    ``LLMCollector`` gives: ours only skips what a one-turn env does not need (the next observation of envs that
-    are all done, and a copy of every step)."""
-    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "env.repeats=4",
+def tiny_sampling(model_dir, data_dir):
+    """The tiny task's config (groups of 4, batches of 8, 16 new tokens), tokenizer, model and sampling options."""
+    cfg = compose("grpo_tiny", [f"model.name={model_dir}", f"env.dataset={data_dir}", "env.repeats=4",
                                 "env.num_envs=8", "inference_model.max_new_tokens=16"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
     options = generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=16,
                               stop_ids=stop_token_ids(tok, model.generation_config))
+    return cfg, tok, model, options
+
+
+def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_dir, tiny_data_dir):
+    """Served from the same prompt batch, with the same sampling seed, two collections in a row of two env batches
+    each hold the same prompts, replies, log-probs, rewards and rows, in the same order, as TorchRL's
+    ``LLMCollector`` gives: ours only skips what a one-turn env does not need (the next observation of envs that
+    are all done, and a copy of every step)."""
+    cfg, tok, model, options = tiny_sampling(tiny_model_dir, tiny_data_dir)
     collected = {}
     for build in (torchrl_collector, make_collector):
         env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
@@ -100,14 +106,8 @@ def test_a_step_passes_its_input_on_as_it_is_while_no_transform_inverts(tiny_mod
     """TorchRL's Transform.inv copies a step's input before the transforms invert it; none of a task env's does,
     so the copy is skipped: the same collection, key for key and reply for reply, as with TorchRL's own inverse.
     A transform that does invert gets the copy back."""
-    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "env.repeats=4",
-                                "env.num_envs=8", "inference_model.max_new_tokens=16"])
-    resolve_local_paths(cfg)
-    tok = load_tokenizer(cfg.model.name)
-    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
-    options = generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=16,
-                              stop_ids=stop_token_ids(tok, model.generation_config))
-    collected, copies = {}, []
+    cfg, tok, model, options = tiny_sampling(tiny_model_dir, tiny_data_dir)
+    collected = {}
     for torchrl_inverse in (True, False):
         env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
         assert all(inverts_nothing(t) for t in env.transform)
