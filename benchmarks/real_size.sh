@@ -47,7 +47,7 @@ from bench_vs_trl import build_random_init_model
 build_random_init_model('qwen2.5-1.5b', 'assets/tiny-model', Path('$KEEP/q15'), seed=0)" > /dev/null
 }
 default_1p5b=(model.name="$KEEP/q15" env.dataset=data/gsm8k_tiny inference_model.backend=transformers
-              train.total_steps=4 train.dynamic_sampling=false)
+              train.total_steps=4 train.dynamic_sampling=false eval.frequency=0 eval.num_problems=16 logging.export=false)
 q05=(--config-name grpo_qwen05b model.name="$QWEN05" env.dataset="$GSM8K_REAL" eval.frequency=0 train.checkpoint_frequency=0
      logging.export=false)
 
