@@ -28,7 +28,8 @@ PACKED_PLACEHOLDER_MASK_SHAPE = (1, 1, 1, 1)
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     if "packed_cu_seqlens" in kwargs:
         return packed_attention(query, key, value, kwargs["packed_cu_seqlens"], kwargs["packed_max_length"], scaling)
-    if attention_mask is not None and tuple(attention_mask.shape) == PACKED_PLACEHOLDER_MASK_SHAPE and query.shape[2] > 1:
+    placeholder = attention_mask is not None and tuple(attention_mask.shape) == PACKED_PLACEHOLDER_MASK_SHAPE
+    if placeholder and query.shape[2] > 1:
         # packed rows whose bounds did not get here: SDPA would let every row attend to the rows before it
         raise ModelLoadError(f"{type(module).__name__} got packed rows without their bounds: this model's decoder does "
                              "not pass keyword arguments on to its attention. Set train.packed_sequences=false.")

@@ -68,8 +68,8 @@ LOGIT_CHUNK_BYTES = 2**28
 
 
 def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width_r: int, *,
-                    with_entropy: bool, entropy_grad: bool, temperature: float = 1.0, head_fn=None, packed: bool = False,
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool, entropy_grad: bool, temperature: float = 1.0, head_fn=None,
+                    packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[S, R]`` log pi(reply token | everything before it), and its entropy if asked, where pi is
     softmax(logits / ``temperature``); 0 at the pads of ``packed`` rows.
 

@@ -61,7 +61,7 @@ class GRPOSettings:
     epochs: int
     optim_batch_size: int             # replies per optimiser step (a minibatch)
     micro_batch_size: int             # at most this many replies in one forward/backward
-    micro_batch_tokens: int | None    # and at most this many tokens: padded (replies x trimmed width), or real if packed
+    micro_batch_tokens: int | None    # and at most this many tokens: padded (rows x width), or real if packed
     packed_sequences: bool            # the model reads each micro-batch's real tokens end to end, no pads
     clip_grad_norm: float
     mixed_precision: bool             # bf16 autocast for float32 weights on a GPU
@@ -82,8 +82,8 @@ class GRPOSettings:
             temperature=cfg.inference_model.temperature,
             inference_is_cap=t.inference_is_cap, epochs=t.epochs, optim_batch_size=t.optim_batch_size,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
-            micro_batch_tokens=t.micro_batch_tokens, packed_sequences=t.packed_sequences, clip_grad_norm=cfg.optimizer.clip_grad_norm,
-            mixed_precision=cfg.train_model.mixed_precision,
+            micro_batch_tokens=t.micro_batch_tokens, packed_sequences=t.packed_sequences,
+            clip_grad_norm=cfg.optimizer.clip_grad_norm, mixed_precision=cfg.train_model.mixed_precision,
             gradient_checkpointing=cfg.train_model.gradient_checkpointing, compile=cfg.train_model.compile,
             on_nonfinite=t.on_nonfinite)
 
