@@ -9,7 +9,10 @@ prompts (``--prompts-per-batch`` questions x the rest as repeats, as a rollout b
 with the rollout settings (temperature 1, top_k/top_p off) by:
 
 * ``hf``: ``model.generate`` as TorchRL's wrapper calls it (``output_logits``: full logits per token);
-* ``ours``: ``grpo.inference.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch);
+* ``ours``: ``grpo.inference.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch;
+  on a GPU, decode attention reads each reply's filled cache slots only);
+* ``dense``: the same with decode attention over every cache slot under the mask (``filled_slots=False``, as
+  before 2026-11-27);
 * ``compact``: the same with ``compact_rows`` (rows whose reply ended leave the batch, which halves).
 
 A random-init model never stops on its own: every reply runs to ``--max-new-tokens``. ``--mean-reply N``
@@ -48,7 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts-per-batch", type=int, default=16, help="distinct questions per batch (rest: repeats)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap")
     p.add_argument("--calls", type=int, default=2, help="timed calls per variant, after one warm-up call")
-    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, compact")
+    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, dense, compact")
     p.add_argument("--mean-reply", type=int, default=0, help="replies end after about this many tokens (0: never)")
     p.add_argument("--cache-bucket", type=int, default=128, help="ours: KV cache length rounding (inference_model.cache_bucket)")
     p.add_argument("--profile", action="store_true", help="ours: print the GPU kernels of one more call (torch.profiler)")
@@ -152,7 +155,7 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
                                               output_logits=True, return_dict_in_generate=True, **options)
             else:
                 sampler = ReplySampler(model, compile=True, cache_bucket=args.cache_bucket,
-                                       compact_rows=variant == "compact")
+                                       compact_rows=variant == "compact", filled_slots=variant != "dense")
                 call = lambda: sampler.generate(input_ids, attention_mask, **options)  # noqa: E731
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             t0 = time.perf_counter()
@@ -215,7 +218,7 @@ def main(argv=None) -> None:
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for batch in dict.fromkeys(r["batch"] for r in rows):
             pair = {r["variant"]: r for r in rows if r["shape"] == shape and r["batch"] == batch}
-            for variant, base in (("ours", "hf"), ("compact", "ours")):
+            for variant, base in (("ours", "hf"), ("ours", "dense"), ("compact", "ours")):
                 if {variant, base} <= set(pair):
                     print(f"{shape} batch {batch}: {variant}/{base} tokens/s = "
                           f"{pair[variant]['tokens_per_s'] / pair[base]['tokens_per_s']:.2f}x")

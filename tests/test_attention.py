@@ -5,7 +5,8 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from grpo.process.errors import ModelLoadError
-from grpo.training.attention import PACKED_PLACEHOLDER_MASK_SHAPE, attention, decode_attention, packed_attention
+from grpo.training.attention import (PACKED_PLACEHOLDER_MASK_SHAPE, attention, decode_attention, filled_slots_attention,
+                                     packed_attention)
 
 
 def sdpa_module(q_heads: int, kv_heads: int) -> torch.nn.Module:
@@ -54,3 +55,26 @@ def test_packed_rows_without_their_bounds_are_refused():
     placeholder = torch.ones(PACKED_PLACEHOLDER_MASK_SHAPE, dtype=torch.bool)
     with pytest.raises(ModelLoadError, match="packed rows without their bounds.*train.packed_sequences=false"):
         attention(sdpa_module(2, 2), query, key, value, placeholder)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's kernel needs a GPU")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_filled_slot_attention_is_the_dense_attention_under_the_mask(head_dim):
+    """bf16 on a GPU: reading each reply's span of filled slots gives what the dense decode attention gives over
+    the whole cache under the mask (left padding, slots not written yet), also through an inference-mode
+    reply with no padding and one whose span is a single slot."""
+    torch.manual_seed(0)
+    batch, q_heads, kv_heads, slots = 5, 14, 2, 96
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(batch, q_heads, 1, head_dim, **cuda)
+    key, value = torch.randn(batch, kv_heads, slots, head_dim, **cuda), torch.randn(batch, kv_heads, slots, head_dim, **cuda)
+    first, last = torch.tensor([0, 3, 40, 7, 60]), torch.tensor([80, 50, 41, 95, 60])  # filled: first..last
+    position = torch.arange(slots)
+    mask = ((position >= first[:, None]) & (position <= last[:, None]))[:, None, None].cuda()
+    starts = (torch.arange(batch * kv_heads).view(batch, kv_heads) * slots + first[:, None]).flatten()
+    starts = torch.cat([starts, torch.tensor([batch * kv_heads * slots])]).int().cuda()
+    lengths = (last - first + 1).repeat_interleave(kv_heads).int().cuda()
+    ours, _ = filled_slots_attention(query, key, value, starts, lengths, scaling=head_dim ** -0.5)
+    dense, _ = decode_attention(query, key, value, mask, scaling=head_dim ** -0.5)
+    assert ours.shape == dense.shape == (batch, 1, q_heads, head_dim)
+    torch.testing.assert_close(ours.float(), dense.float(), atol=2e-2, rtol=2e-2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo.inference.decoding import ReplySampler, compacted_size, sample_tokens
+from grpo.inference.decoding import ReplySampler, compacted_size, filled_slot_bounds, sample_tokens
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 12 apples and buys 30 more. How many apples does he have now?",
@@ -174,6 +174,56 @@ def test_compacted_replies_are_sampled_with_the_trainers_log_probs(tiny):
         assert (replies[after_stop] == tok.pad_token_id).all() and (log_probs[after_stop] == 0).all()
         expected = teacher_forced_log_probs(model, out["sequences"], mask, tok.pad_token_id)
         torch.testing.assert_close(log_probs[~after_stop], expected[~after_stop], atol=1e-4, rtol=1e-4)
+
+
+def test_filled_slot_bounds_are_the_attention_masks_slots_also_after_compaction(tiny):
+    """The spans the GPU's decode attention reads (``filled_slot_bounds``: each reply and KV head's filled slots,
+    in the cache read flat) are exactly the slots the attention mask admits at a step, for every decode batch a
+    compacting call built: the whole batch's and its halvings, whose rows came from other rows."""
+    tok, model, _ = tiny
+    _, _, extra = spread_out_replies(tok, model)
+    ids, mask = prompts(tok, [f"What is {a} + {b}?" + " Be brief." * (b % 4) for a in range(8) for b in range(8)])
+    assert not mask.all()  # prompts of different lengths: left padding
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
+    sampler.generate(ids, mask, **options(tok, model, do_sample=False, **extra))
+    kv_heads = model.config.num_key_value_heads
+    assert len(sampler._steps) >= 2 and kv_heads > 1
+    for buf, _ in sampler._steps.values():
+        buf.mask.index_fill_(1, buf.slot, 1)  # as a step does before its forward
+        bounds = filled_slot_bounds(buf, kv_heads)
+        starts, lengths = bounds["filled_kv_starts"].long(), bounds["filled_kv_lengths"].long()
+        batch, slots = buf.mask.shape
+        read = torch.zeros(batch * kv_heads * slots, dtype=torch.bool)
+        for start, length in zip(starts[:-1].tolist(), lengths.tolist()):
+            read[start:start + length] = True
+        assert torch.equal(read, buf.mask.bool()[:, None].expand(batch, kv_heads, slots).flatten())
+        assert starts[-1] == batch * kv_heads * slots and bounds["filled_kv_starts"].dtype == torch.int32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's kernel needs a GPU")
+def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainers_log_probs(tiny_model_dir):
+    """bf16 on a GPU: the filled-slot attention's replies carry the teacher-forced log-probs as closely as the
+    dense attention's; greedy replies agree; prompts that are not left-padded are refused in one line."""
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
+    ids, mask, extra = spread_out_replies(tok, model)
+    ids, mask = ids.cuda(), mask.cuda()
+    gaps, greedy = {}, {}
+    for filled in (True, False):
+        sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True, filled_slots=filled)
+        assert (sampler.kv_heads is not None) == filled
+        torch.manual_seed(0)
+        out = sampler.generate(ids, mask, **options(tok, model, **extra))
+        expected = teacher_forced_log_probs(model, out["sequences"].cuda(), mask, tok.pad_token_id)
+        real = out["sequences"][:, ids.shape[1]:].cuda() != tok.pad_token_id
+        gaps[filled] = float((out["logits"].T.cuda() - expected)[real].abs().mean())
+        greedy[filled] = sampler.generate(ids, mask, **options(tok, model, do_sample=False, **extra))["sequences"]
+    assert gaps[True] < 0.02 and gaps[True] < 2 * gaps[False] + 1e-3, gaps
+    assert (greedy[True] == greedy[False]).float().mean() > 0.99
+    right_padded = mask.flip(-1)
+    with pytest.raises(ValueError, match="not left-padded.*inference_model.filled_slots=false"):
+        ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True).generate(ids, right_padded,
+                                                                                        **options(tok, model))
 
 
 @pytest.mark.parametrize("batch, active, size", [(128, 65, None), (128, 64, 64), (128, 20, 32), (128, 3, 16),

@@ -2,8 +2,9 @@
 
 - packed rows (``packed_cu_seqlens`` among the keyword arguments): each row of real tokens attends causally to
   itself only, by FlashAttention's variable-length kernel on a GPU (``packed_attention``);
-- one-token queries (decoding): the query heads of a KV group batched against their shared K/V
-  (``decode_attention``);
+- one-token queries (decoding): the query heads of a KV group batched against their shared K/V, reading each
+  reply's filled cache slots only where the decode loop passes their bounds (``filled_slots_attention``, a GPU in
+  half precision), else every slot under the mask (``decode_attention``);
 - anything else: transformers' SDPA.
 
 One function for all three, set once when a model is loaded: where the sampler is the trained model itself (one
@@ -28,6 +29,9 @@ PACKED_PLACEHOLDER_MASK_SHAPE = (1, 1, 1, 1)
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     if "packed_cu_seqlens" in kwargs:
         return packed_attention(query, key, value, kwargs["packed_cu_seqlens"], kwargs["packed_max_length"], scaling)
+    if "filled_kv_starts" in kwargs:
+        return filled_slots_attention(query, key, value, kwargs["filled_kv_starts"], kwargs["filled_kv_lengths"],
+                                      scaling)
     placeholder = attention_mask is not None and tuple(attention_mask.shape) == PACKED_PLACEHOLDER_MASK_SHAPE
     if placeholder and query.shape[2] > 1:
         # packed rows whose bounds did not get here: SDPA would let every row attend to the rows before it
@@ -54,6 +58,27 @@ def decode_attention(query, key, value, attention_mask, scaling=None):
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     out = torch.matmul(scores.softmax(-1).to(value.dtype), value)           # [B, kv heads, group, head dim]
     return out.reshape(batch, q_heads, 1, head_dim).transpose(1, 2), None
+
+
+def filled_slots_attention(query, key, value, kv_starts, kv_lengths, scaling=None):
+    """One-token queries ``[B, Hq, 1, D]`` against a KV cache ``[B, Hkv, S, D]``, reading only each reply's filled
+    slots: FlashAttention's variable-length kernel, with each (reply, KV head) pair one sequence whose queries
+    are that group's query heads. Returns ``[B, 1, Hq, D]``.
+
+    The cache is read flat, ``[B * Hkv * S]`` tokens of one head, so it is used in place: pair ``j`` (reply
+    ``j // Hkv``) reads ``kv_lengths[j]`` tokens from ``kv_starts[j]`` on (``grpo.inference.decoding.
+    filled_slot_bounds``), which skips its prompt's left padding and the slots not written yet. The dense
+    path read every slot, filled or not, through two batched GEMMs: about 1 ms of a 1.5B x 128 decode step's
+    4 ms on an H100 (benchmarks/README.md). ``torch.nn.attention.varlen.varlen_attn`` takes no per-sequence
+    lengths in torch 2.11 (the GPU machines'), so the ATen op is called as it does."""
+    batch, q_heads, _, head_dim = query.shape
+    kv_heads, slots = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads  # transformers' grouping: query head i reads KV head i // group
+    cu_queries = torch.arange(0, batch * q_heads + 1, group, dtype=torch.int32, device=query.device)
+    out = torch.ops.aten._flash_attention_forward(
+        query.reshape(batch * q_heads, 1, head_dim), key.view(-1, 1, head_dim), value.view(-1, 1, head_dim),
+        cu_queries, kv_starts, group, slots, 0.0, False, False, scale=scaling, seqused_k=kv_lengths)[0]
+    return out.view(batch, q_heads, 1, head_dim).transpose(1, 2), None
 
 
 def packed_attention(query, key, value, cu_seqlens, max_length: int, scaling=None):
