@@ -180,7 +180,9 @@ class ReplySampler(torch.nn.Module):
         param = next(model.parameters())
         self.graphed = compile and param.device.type == "cuda"
         half = param.device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
-        self.kv_heads = model.config.get_text_config().num_key_value_heads if filled_slots and half else None
+        text = model.config.get_text_config()
+        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # no GQA: one per head
+        self.kv_heads = kv_heads if filled_slots and half else None
         # per batch size: (slots, cache); it only grows, since its graphs are bound to its tensors
         self._caches: dict[int, tuple[int, StaticCache]] = {}
         self._steps: dict[tuple, tuple[DecodeBuffers, callable]] = {}
