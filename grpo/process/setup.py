@@ -134,6 +134,17 @@ _signalled: int | None = None  # the stop signal the run's StopFlag took, for wa
 _interrupted_twice = False  # a second Ctrl-C came: the run is stopping now, without a checkpoint
 
 
+_next_unraisable_hook = sys.__unraisablehook__  # the hook quiet_second_interrupt passes reports on to
+
+
+def quiet_second_interrupt(unraisable) -> None:
+    """A second Ctrl-C's SystemExit that lands in a callback Python cannot raise from (a weakref's: importlib's
+    module-lock cleanup, once in ~800 test runs) is reported as ignored, with a traceback. The run stops all the
+    same, at its step's end (``raise_if_interrupted_twice``), so that report is left out; any other goes on."""
+    if not (_interrupted_twice and isinstance(unraisable.exc_value, SystemExit)):
+        _next_unraisable_hook(unraisable)
+
+
 def raise_if_interrupted_twice() -> None:
     """Where an error ends the run: after a second Ctrl-C, it is that Ctrl-C's doing. Its SystemExit lands wherever
     Python is, and a library's cleanup on the way out can raise an error of its own in its place (a tensordict's
@@ -179,16 +190,9 @@ class StopFlag:
         """(Re)claim SIGTERM, SIGHUP and SIGINT: ``ray.init`` replaces the SIGTERM handler with one that aborts."""
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             signal.signal(signum, self._handle)
-        if sys.unraisablehook != self._unraisable:
-            self._next_unraisable_hook = sys.unraisablehook
-            sys.unraisablehook = self._unraisable
-
-    def _unraisable(self, unraisable) -> None:
-        """A second Ctrl-C's SystemExit that lands in a callback Python cannot raise from (a weakref's: importlib's
-        module-lock cleanup, once in ~800 test runs) is reported as ignored, with a traceback. The run stops all the
-        same, at its step's end (``raise_if_interrupted_twice``), so that report is left out; any other goes on."""
-        if not (_interrupted_twice and isinstance(unraisable.exc_value, SystemExit)):
-            self._next_unraisable_hook(unraisable)
+        global _next_unraisable_hook
+        if sys.unraisablehook is not quiet_second_interrupt:  # module-level: a flag would keep its run alive
+            _next_unraisable_hook, sys.unraisablehook = sys.unraisablehook, quiet_second_interrupt
 
     def _handle(self, signum, frame):
         if self.signum == signal.SIGINT and signum == signal.SIGINT:
