@@ -159,11 +159,17 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def worker_pids(proc) -> list[int]:
-    """This run's rollout worker processes (only they get killed, never another run's)."""
-    pids = [int(p) for p in subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True,
-                                           text=True).stdout.split()]
-    return [p for p in pids if p in descendants(proc.pid)]
+def worker_pids(proc, wait_s: float = 30.0) -> list[int]:
+    """This run's rollout worker processes (only they get killed, never another run's), looked for again for up to
+    ``wait_s`` while none is found: a replaced worker once went unseen right after the run had trained past it."""
+    deadline = time.time() + wait_s
+    while True:
+        pids = [int(p) for p in subprocess.run(["pgrep", "-f", "RolloutWorker"], capture_output=True,
+                                               text=True).stdout.split()]
+        ours = [p for p in pids if p in descendants(proc.pid)]
+        if ours or time.time() > deadline:
+            return ours
+        time.sleep(0.5)
 
 
 @contextlib.contextmanager
