@@ -250,7 +250,13 @@ def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoin
     for pid in first:
         os.kill(pid, signal.SIGKILL)
     with killed_on_failure(proc):
-        wait_for_steps(proc, tmp_path, len(step_rows(tmp_path)) + 2)  # trained on, past the killed worker's batches
+        # batches generated before the kill can train first (two steps did, with no restart yet, on a loaded machine)
+        deadline = time.time() + 300
+        while not any(row["worker_restarts"] == 1 for row in step_rows(tmp_path)):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.time() < deadline, "no step logged the worker's restart"
+            time.sleep(0.2)
+        wait_for_steps(proc, tmp_path, len(step_rows(tmp_path)) + 1)  # trained on, past the killed worker's batches
         replaced = worker_pids(proc)
         assert replaced and not set(replaced) & set(first), (first, replaced)
     assert step_rows(tmp_path)[-1]["worker_restarts"] == 1
