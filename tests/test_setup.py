@@ -14,6 +14,7 @@ import pytest
 
 from conftest import REPO
 from grpo.loop.logger import read_metrics
+from grpo.process import setup
 from grpo.process.setup import freeze_long_lived_objects
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint
 
@@ -80,18 +81,24 @@ def test_sweep_jobs_get_their_own_wandb_run_and_resume_auto_picks_their_own_run(
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_freezing_takes_live_objects_out_of_the_collectors_scans_after_freeing_garbage():
+@pytest.mark.parametrize("frozen_before", [False, True])
+def test_freezing_takes_live_objects_out_of_the_collectors_scans_after_freeing_garbage(monkeypatch, frozen_before):
     """A run freezes what its first step built, so full collections stop walking it (0.28 s of every third collection
     on the tiny task); a garbage cycle alive only to the collector at that moment is freed, not frozen; later calls
-    freeze nothing."""
+    freeze nothing. Also when a library froze objects of its own first (as on the GPU machines)."""
     class Node:
         pass
 
+    monkeypatch.setattr(setup, "_long_lived_frozen", False)  # as in a fresh process
+    gc.unfreeze()
+    if frozen_before:
+        library_object = Node()
+        gc.freeze()
+        assert gc.get_freeze_count() > 0 and not any(o is library_object for o in gc.get_objects())
     garbage, kept = Node(), Node()
     garbage.itself, kept.itself = garbage, kept  # cycles: only the collector frees them
     garbage_alive = weakref.ref(garbage)
     del garbage
-    gc.unfreeze()
     try:
         assert any(o is kept for o in gc.get_objects())
         freeze_long_lived_objects()
