@@ -19,10 +19,8 @@ import pytest
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
-from ray.cluster_utils import Cluster
 from tensordict import set_list_to_stack
 
-from grpo.process.ray_placement import MEMORY_MONITOR
 from grpo.training.logprobs import token_log_probs
 
 from tools.compose import compose_config as compose  # noqa: F401 - the tests import it from here
@@ -165,7 +163,11 @@ def ray_cluster_here(monkeypatch, head_gpus: str | None = None, node_gpus: str |
     """A Ray cluster of two nodes on this machine (Ray's own test cluster): a head that offers no CPU, where a driver
     attaches, and a node of 2 CPUs, where every actor must then go. ``head_gpus``/``node_gpus``: the node's GPUs as
     its ``CUDA_VISIBLE_DEVICES`` (e.g. "5,6"), each declared to Ray, which assigns them on a CPU machine too. Its
-    address. Ray points /tmp/ray/ray_current_cluster at it (and leaves it there): restored after."""
+    address. Ray points /tmp/ray/ray_current_cluster at it (and leaves it there): restored after.
+    Ray is imported here, not at the top: the GPU machines' tests (decoding, attention) run without it."""
+    from ray.cluster_utils import Cluster
+
+    from grpo.process.ray_placement import MEMORY_MONITOR
     monkeypatch.setenv(MEMORY_MONITOR, "0")  # its raylets inherit it: no actor killed for the machine's memory
     current = Path("/tmp/ray/ray_current_cluster")
     before = current.read_text() if current.exists() else None
