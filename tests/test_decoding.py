@@ -203,26 +203,29 @@ def test_filled_slot_bounds_are_the_attention_masks_slots_also_after_compaction(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's kernel needs a GPU")
 def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainers_log_probs(tiny_model_dir):
     """bf16 on a GPU: the filled-slot attention's replies carry the teacher-forced log-probs as closely as the
-    dense attention's; greedy replies agree; prompts that are not left-padded are refused in one line."""
+    dense attention's, sampled and greedy (greedy replies may part where bf16 flips a near-tie); prompts that are
+    not left-padded are refused in one line."""
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir, tok, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
     ids, mask, extra = spread_out_replies(tok, model)
     ids, mask = ids.cuda(), mask.cuda()
-    gaps, greedy = {}, {}
+    gaps = {}
     for filled in (True, False):
         sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True, filled_slots=filled)
         assert (sampler.kv_heads is not None) == filled
-        torch.manual_seed(0)
-        out = sampler.generate(ids, mask, **options(tok, model, **extra))
-        expected = teacher_forced_log_probs(model, out["sequences"].cuda(), mask, tok.pad_token_id)
-        real = out["sequences"][:, ids.shape[1]:].cuda() != tok.pad_token_id
-        gaps[filled] = float((out["logits"].T.cuda() - expected)[real].abs().mean())
-        greedy[filled] = sampler.generate(ids, mask, **options(tok, model, do_sample=False, **extra))["sequences"]
-    assert gaps[True] < 0.02 and gaps[True] < 2 * gaps[False] + 1e-3, gaps
-    assert (greedy[True] == greedy[False]).float().mean() > 0.99
+        for do_sample in (True, False):
+            torch.manual_seed(0)
+            out = sampler.generate(ids, mask, **options(tok, model, do_sample=do_sample, **extra))
+            expected = teacher_forced_log_probs(model, out["sequences"].cuda(), mask, tok.pad_token_id)
+            real = out["sequences"][:, ids.shape[1]:].cuda() != tok.pad_token_id
+            gaps[filled, do_sample] = float((out["logits"].T.cuda() - expected)[real].abs().mean())
+    for do_sample in (True, False):
+        assert gaps[True, do_sample] < 0.02 and gaps[True, do_sample] < 2 * gaps[False, do_sample] + 1e-3, gaps
+    ids, mask = prompts(tok)  # of different lengths
+    assert not mask.all()
     right_padded = mask.flip(-1)
     with pytest.raises(ValueError, match="not left-padded.*inference_model.filled_slots=false"):
-        ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True).generate(ids, right_padded,
+        ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True).generate(ids.cuda(), right_padded.cuda(),
                                                                                         **options(tok, model))
 
 

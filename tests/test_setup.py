@@ -85,7 +85,7 @@ def test_sweep_jobs_get_their_own_wandb_run_and_resume_auto_picks_their_own_run(
 def test_freezing_takes_live_objects_out_of_the_collectors_scans_after_freeing_garbage(monkeypatch, frozen_before):
     """A run freezes what its first step built, so full collections stop walking it (0.28 s of every third collection
     on the tiny task); a garbage cycle alive only to the collector at that moment is freed, not frozen; later calls
-    freeze nothing. Also when a library froze objects of its own first (as on the GPU machines)."""
+    freeze nothing. Also when objects were frozen before (Python 3.12 starts with 375 of its own)."""
     class Node:
         pass
 
