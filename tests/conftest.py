@@ -4,6 +4,7 @@ import io
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -156,6 +157,15 @@ def reply_log_probs(model, batch) -> torch.Tensor:
     lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
                             with_entropy=False, entropy_grad=False)
     return lp
+
+
+def wait_for(proc, ready, what: str, timeout: float = 400) -> None:
+    """Poll ``ready()`` while the subprocess ``proc`` runs; fail if it ends first or ``what`` takes too long."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[1][-3000:]}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.2)
 
 
 @contextlib.contextmanager

@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from conftest import REPO, TINY_DATA, TINY_MODEL, compose
+from conftest import REPO, TINY_DATA, TINY_MODEL, compose, wait_for
 from grpo.loop.logger import RunLogger, read_metrics
 from grpo.loop.records import RunRecords
 from grpo.loop.resume import find_checkpoint
@@ -345,15 +345,6 @@ def test_a_full_disk_during_export_leaves_no_partial_folder_and_one_line(tmp_pat
 
 
 # ----------------------------------------------------------------------------------- two runs, one run dir
-
-def wait_for(proc, ready, what: str, timeout: float = 400) -> None:
-    """Poll ``ready()`` while the subprocess ``proc`` runs; fail if it ends first or ``what`` takes too long."""
-    deadline = time.time() + timeout
-    while not ready():
-        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[1][-3000:]}"
-        assert time.time() < deadline, f"no {what} within {timeout} s"
-        time.sleep(0.2)
-
 
 def test_runs_started_in_the_same_second_get_run_dirs_of_their_own(monkeypatch):
     """The default outputs/DATE/HH-MM-SS was one dir for two commands started in the same second."""
