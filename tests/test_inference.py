@@ -154,16 +154,23 @@ def test_transformers_engine_checksum_reads_its_weights_and_follows_a_push(tiny)
 def test_inference_model_compact_rows_reaches_the_decode_loop_and_replies_come_back_whole(tiny, compact_rows):
     """Through the engine and TorchRL's wrapper: with ``inference_model.compact_rows`` on, 64 replies that end at
     spread-out lengths (the token "The" stops them too) decode in batches that halve, and every reply comes back
-    as its tokens up to its first stop token, with a log-prob for each."""
+    as its tokens up to its first stop token, with a log-prob for each; the engine hands the reference
+    (``on_sampled``) the same prompts and replies, as they leave the decode loop."""
     cfg, tok, model = tiny
     cfg = compose("grpo_tiny", [f"model.name={cfg.model.name}", f"env.dataset={cfg.env.dataset}", "env.repeats=8",
                                 "env.num_envs=64", "inference_model.max_new_tokens=48",
                                 f"inference_model.compact_rows={compact_rows}"])
     stop_ids = stop_token_ids(tok, model.generation_config) + tok.convert_tokens_to_ids(["The"])
     engine = TransformersInference(EngineSettings.from_config(cfg), None, tok, torch.device("cpu"), stop_ids)
+    handed = []
+    engine.on_sampled = lambda prompts, replies: handed.append((prompts, replies))
     torch.manual_seed(0)
     env = make_env(cfg, tok, split="train", repeats=8, num_envs=64)
     replies = Replies.from_collector(next(iter(make_collector(env, engine.policy, 64))))
+    (prompts, sampled), = handed
+    assert all(torch.equal(a, b) for a, b in zip(prompts, replies.prompts(), strict=True))
+    assert all(torch.equal(a[:len(b)], b) and (len(a) == len(b) or torch.isin(b[-1], torch.tensor(stop_ids)))
+               for a, b in zip(sampled, replies.replies(), strict=True))
     sizes = engine.policy.model.batch_sizes
     assert sizes[0] == 64 and (len(sizes) > 1) == compact_rows
     for reply, log_probs in zip(replies.replies(), replies.log_probs()):

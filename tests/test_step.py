@@ -344,7 +344,7 @@ def test_packed_step_trains_as_the_dense_step(setup):
         step = make_step(cfg, policy, ref_model=copy.deepcopy(model).requires_grad_(False), packed_sequences=packed,
                          optim_batch_size=4, micro_batch_size=4, micro_batch_tokens=40)
         scored = batch.clone()
-        scored["ref_log_probs"] = score_replies(scored, step.ref, step.s)
+        scored["ref_log_probs"] = score_replies(scored, step.ref.scorer, step.s)
         torch.manual_seed(0)  # the same minibatches
         metrics = step.optimize(scored)
         outcomes.append((scored["ref_log_probs"], metrics, dict(policy.named_parameters())))
@@ -453,7 +453,7 @@ def test_compiled_reference_scores_as_eager_in_one_graph_per_part(setup):
     step = make_step(cfg, copy.deepcopy(model), ref_model=copy.deepcopy(model).requires_grad_(False), compile=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     cut = dataclasses.replace(settings, micro_batch_size=4, micro_batch_tokens=None)
-    scored = score_replies(batch, step.ref, cut)
+    scored = score_replies(batch, step.ref.scorer, cut)
     assert 2 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs <= 3  # (+1: a micro-batch without a mask)
     torch.testing.assert_close(scored, score_replies(batch, ReplyLogProbs(model), cut), atol=1e-5, rtol=1e-4)
 

@@ -302,10 +302,16 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
         for policy in (inf.policy, inf.greedy_policy):
             assert sorted(policy.sampling_params.stop_token_ids) == stop_ids
         assert inf.policy.sampling_params.top_k in (0, -1)
+        handed = []
+        inf.on_sampled = lambda prompts, replies: handed.append((prompts, replies))
         with set_list_to_stack(True):
             out = inf.policy(_histories(2))
             greedy = inf.greedy_policy(_histories(2))
         resp = out.get(("tokens", "response"), as_list=True)
+        # the sampled batch, not the greedy one, reached the reference: the same tokens
+        (prompts, replies), = handed
+        assert all(torch.equal(a, b) for a, b in zip(prompts, out.get(("tokens", "prompt"), as_list=True), strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(replies, resp, strict=True))
         lps = out.get(("log_probs", "response"), as_list=True)
         assert all(0 < r.numel() <= 6 and lp.shape == r.shape for r, lp in zip(resp, lps))
         assert all(0 < r.numel() <= 5 for r in greedy.get(("tokens", "response"), as_list=True))

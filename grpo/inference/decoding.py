@@ -173,6 +173,9 @@ class ReplySampler(torch.nn.Module):
         self.compact_rows = compact_rows
         self.batch_sizes: list[int] = []  # the last generate call's decode batches, first to last
         self.seconds = 0.0  # in generate calls so far, until their replies were on the GPU
+        # called with each sampled (not greedy) batch's prompt and reply ids (CPU tensors, a list each) as they
+        # leave the GPU: the reference scores them meanwhile (grpo.training.reference)
+        self.on_sampled = None
         self.cache_name = cache_argument(model)
         use_project_attention(model)
         if not any(p.requires_grad for p in model.parameters()):  # an inference copy, never trained
@@ -229,7 +232,9 @@ class ReplySampler(torch.nn.Module):
                     compiled(*args)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: the reference may be scoring the step's earlier batch on its thread meanwhile
+            # (grpo.training.reference), and its syncs must not void this capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 compiled(*args)
 
         def replay():
@@ -246,6 +251,7 @@ class ReplySampler(torch.nn.Module):
             raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
         start = time.perf_counter()
         home, device = input_ids.device, self.model.device  # replies go back where the prompts came from
+        prompt_mask = attention_mask
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         batch, prompt_len = input_ids.shape
         sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -298,6 +304,10 @@ class ReplySampler(torch.nn.Module):
         if device.type == "cuda":  # so that self.seconds is the decoding's (a copy to the CPU waits anyway)
             torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - start
+        if do_sample and self.on_sampled is not None:
+            sequences, prompt_mask = out["sequences"].cpu().clone(), prompt_mask.cpu().bool()  # the caller's stay its own
+            self.on_sampled([row[:prompt_len][mask] for row, mask in zip(sequences, prompt_mask)],
+                            list(sequences[:, prompt_len:]))
         return out
 
     def compact(self, buf, cache, rows, size, max_new_tokens, stop_ids, pad_token_id, sampling):

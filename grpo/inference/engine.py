@@ -62,6 +62,14 @@ class TransformersInference:
     def generate_s(self) -> float:
         return self.sampler.seconds
 
+    @property
+    def on_sampled(self):
+        return self.sampler.on_sampled
+
+    @on_sampled.setter
+    def on_sampled(self, callback) -> None:
+        self.sampler.on_sampled = callback
+
     @torch.no_grad()
     def push_weights(self, source, version: int) -> float:
         """Make generation use new weights (a model, or a plain HF state dict); returns the seconds it took."""

@@ -67,12 +67,16 @@ class InferenceEngine(Protocol):
     pushed (``None``: the model files' weights, none pushed yet). ``generate_s``: the seconds spent so far
     inside the engine's own generate calls (both policies'); the rest of a collection is TorchRL's wrapper
     (chat template, tokenizing, decoding the replies into chat histories), the env and its reward.
+    ``on_sampled``: ``None``, or called with each batch ``policy`` samples as soon as the engine returns it: its
+    prompts' and replies' token ids, a list of CPU tensors each (the reference scores them meanwhile:
+    ``grpo.training.reference``).
     """
 
     policy: object
     greedy_policy: object
     version: int | None
     generate_s: float
+    on_sampled: object
 
     def push_weights(self, source, version: int) -> float:
         """Generate with new weights (a model, or HF-named tensors); returns the seconds it took."""

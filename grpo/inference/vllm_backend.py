@@ -223,6 +223,7 @@ class QuietVLLMWrapper(vLLMWrapper):
     option for: every batch of every worker printed them. ``generate_s``: seconds inside vLLM's generate so far."""
 
     generate_s = 0.0
+    on_sampled = None  # the engine's (``InferenceEngine.on_sampled``), set on its sampling policy only
 
     def forward(self, *args, **kwargs):
         with no_nested_tensor_notice():
@@ -231,9 +232,14 @@ class QuietVLLMWrapper(vLLMWrapper):
     def _call_generate(self, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return super()._call_generate(*args, use_tqdm=False, **kwargs)
+            outputs = super()._call_generate(*args, use_tqdm=False, **kwargs)
         finally:
             self.generate_s += time.perf_counter() - start
+        if self.on_sampled is not None:
+            pairs = [(torch.tensor(out.prompt_token_ids), torch.tensor(reply.token_ids))
+                     for out in outputs for reply in out.outputs]
+            self.on_sampled([prompt for prompt, _ in pairs], [reply for _, reply in pairs])
+        return outputs
 
 
 def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, input_mode: str = "history",
@@ -310,6 +316,14 @@ class VLLMInference:
     @property
     def generate_s(self) -> float:
         return sum(policy.generate_s for policy in (self.policy, self.greedy_policy) if policy is not None)
+
+    @property
+    def on_sampled(self):
+        return self.policy.on_sampled
+
+    @on_sampled.setter
+    def on_sampled(self, callback) -> None:
+        self.policy.on_sampled = callback
 
     def push_weights(self, source, version: int) -> float:
         """Copy new weights (a model, a peft model or an HF state dict) into the engine; seconds."""

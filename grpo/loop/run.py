@@ -163,6 +163,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     stop_ids = stop_token_ids(tokenizer, trainer.policy_model.generation_config)
     engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
+    trainer.take_samples_from(engine)  # ref_model.score_early: the reference scores replies as they are sampled
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,
                         num_envs=min(cfg.eval.batch_size, num_eval_problems), shuffle=False)

@@ -33,31 +33,40 @@ def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
 
 def to_training_batch(replies: Replies, pad_token_id: int, stop_token_ids: list[int]) -> TensorDict:
     """The replies as one dense batch (see the module docstring)."""
-    stop_ids = torch.tensor(stop_token_ids, dtype=torch.long)
-    tokens = replies.replies()
-    ends = [through_first_stop(r, stop_ids) for r in tokens]
-    kept = [(r[:end], lp[:end]) for r, lp, end in zip(tokens, replies.log_probs(), ends)]
-    prompt_len, reply_len = replies.prompt_lengths.clone(), torch.tensor(ends, dtype=torch.long)
-    n, width_p, width_r = len(replies), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
-    input_ids = torch.full((n, width_p + width_r), pad_token_id, dtype=torch.long)
+    batch = token_batch(replies.prompts(), replies.replies(), pad_token_id, stop_token_ids)
+    n, width_r = batch.batch_size[0], batch["reply_mask"].shape[1]
+    reply_len = batch["reply_length"]
     behaviour_lp = torch.zeros(n, width_r)
-    for i, (p, (r, lp)) in enumerate(zip(replies.prompts(), kept)):
-        input_ids[i, width_p - p.numel():width_p] = p
-        input_ids[i, width_p:width_p + r.numel()] = r
-        behaviour_lp[i, :r.numel()] = lp
-    cols = torch.arange(width_p + width_r)
-    attention_mask = (cols >= width_p - prompt_len[:, None]) & (cols < width_p + reply_len[:, None])
-    return TensorDict({
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "reply_mask": attention_mask[:, width_p:],
+    for i, (lp, end) in enumerate(zip(replies.log_probs(), reply_len.tolist())):
+        behaviour_lp[i, :end] = lp[:end]
+    last = batch["input_ids"].gather(1, (batch["input_ids"].shape[1] - width_r + reply_len - 1).clamp_min(0)[:, None])
+    batch.update({
         "behaviour_log_probs": behaviour_lp,
         "reward": replies.reward.clone(),
-        "prompt_length": prompt_len,
-        "reply_length": reply_len,
-        "reply_stopped": torch.tensor([bool(torch.isin(r[-1:], stop_ids).any()) for r, _ in kept]),
+        "reply_stopped": torch.isin(last[:, 0], torch.tensor(stop_token_ids)) & (reply_len > 0),
         "group_id": group_ids(replies),
-    }, batch_size=[n])
+    })
+    return batch
+
+
+def token_batch(prompts: list[torch.Tensor], replies: list[torch.Tensor], pad_token_id: int,
+                stop_token_ids: list[int]) -> TensorDict:
+    """The dense batch's token fields (``input_ids``, ``attention_mask``, ``reply_mask``, ``prompt_length``,
+    ``reply_length``), each reply cut after its first stop token: all that scoring reads, whether from the
+    collected replies or straight from the sampler's output (``grpo.training.reference``)."""
+    stop_ids = torch.tensor(stop_token_ids, dtype=torch.long)
+    kept = [r[:through_first_stop(r, stop_ids)] for r in replies]
+    prompt_len = torch.tensor([p.numel() for p in prompts], dtype=torch.long)
+    reply_len = torch.tensor([r.numel() for r in kept], dtype=torch.long)
+    n, width_p, width_r = len(kept), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
+    input_ids = torch.full((n, width_p + width_r), pad_token_id, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, kept)):
+        input_ids[i, width_p - p.numel():width_p] = p
+        input_ids[i, width_p:width_p + r.numel()] = r
+    cols = torch.arange(width_p + width_r)
+    attention_mask = (cols >= width_p - prompt_len[:, None]) & (cols < width_p + reply_len[:, None])
+    return TensorDict({"input_ids": input_ids, "attention_mask": attention_mask, "reply_mask": attention_mask[:, width_p:],
+                       "prompt_length": prompt_len, "reply_length": reply_len}, batch_size=[n])
 
 
 def trim_padding(batch: TensorDict) -> TensorDict:

@@ -45,10 +45,17 @@ class Trainer:
         self.grpo_step = GRPOStep(settings, policy=scorer, optimizer=self.optimizer,
                                   scheduler=self.scheduler, ref_model=ref_model, pad_token_id=pad_token_id,
                                   stop_token_ids=stop_token_ids, world=world)
+        self.score_reference_early = cfg.ref_model.score_early
         self.policy_version = 0
         self.completed_step, self.completed_rng, self.half_updated = 0, None, False
         # an optimiser step marks the weights half updated until ``update`` returns (restoring takes no step)
         self.optimizer.register_step_pre_hook(lambda *_: setattr(self, "half_updated", True))
+
+    def take_samples_from(self, engine) -> None:
+        """``ref_model.score_early``: the reference scores each batch ``engine`` samples as it leaves the GPU
+        (``grpo.training.reference``). One rank only: over several, each scores its share of every step's rows."""
+        if self.score_reference_early and self.world.size == 1 and self.grpo_step.ref is not None:
+            engine.on_sampled = self.grpo_step.ref.score_early
 
     def restore(self, payload: dict, path) -> None:
         """Weights, optimiser, schedule and counters of a checkpoint, and its RNG states (last of all).

@@ -1,0 +1,100 @@
+"""grpo/training/reference.py: rows the sampler hands the reference early get the scores they would get late."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import SHORT_RUN, compose, train_in_process
+from grpo.loop.logger import read_metrics
+from grpo.process.setup import resolve_local_paths
+from grpo.rollout.replies import Replies
+from grpo.training.batch import to_training_batch
+from grpo.training.logprobs import ReplyLogProbs, score_replies
+from grpo.training.models import load_causal_lm, load_tokenizer
+from grpo.training.reference import ReferenceScores
+from grpo.training.step import GRPOSettings
+
+PAD, EOS = 0, 2
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}"])
+    resolve_local_paths(cfg)
+    model = load_causal_lm(cfg.model.name, load_tokenizer(cfg.model.name), dtype=torch.float32,
+                           device=torch.device("cpu")).eval().requires_grad_(False)
+    # micro-batches of 3 rows: the early batch and the step's batch are cut differently
+    settings = dataclasses.replace(GRPOSettings.from_config(cfg), micro_batch_size=3, micro_batch_tokens=None)
+    return lambda: ReferenceScores(ReplyLogProbs(model), settings, pad_token_id=PAD, stop_token_ids=[PAD, EOS])
+
+
+def sampled(n: int, seed: int):
+    """What an engine hands over: prompts of several lengths, replies of one width, some ended by a stop token and
+    followed by pads or other tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 200, (int(torch.randint(2, 9, (), generator=g)),), generator=g) for _ in range(n)]
+    replies = [torch.randint(3, 200, (10,), generator=g) for _ in range(n)]
+    for i, reply in enumerate(replies):
+        if i % 3 == 0:
+            reply[4] = EOS
+            reply[5:] = PAD if i % 2 else 7
+    return prompts, replies
+
+
+def step_batch(prompts, replies):
+    """The step's dense batch of these replies, as the collected ``Replies`` reach it."""
+    return to_training_batch(Replies.from_sequences(
+        prompts=prompts, replies=replies, log_probs=[torch.zeros(r.numel()) for r in replies],
+        reward=torch.zeros(len(replies)), success=torch.zeros(len(replies)), row_index=torch.arange(len(replies)),
+        user_prompts=[""] * len(replies)), PAD, [PAD, EOS])
+
+
+def test_rows_scored_early_get_the_scores_of_rows_scored_in_the_step(reference):
+    """Two sampled batches scored early; the step keeps some rows of each, in another order, and one row nobody
+    scored early: every row gets what scoring the step's batch itself gives it, and the count says which came early."""
+    ref = reference()
+    first, second = sampled(7, seed=0), sampled(5, seed=1)
+    ref.score_early(*first)
+    ref.score_early(*second)
+    fresh = sampled(1, seed=2)
+    keep = [(second, 4), (first, 0), (first, 5), (fresh, 0), (second, 1), (first, 3)]
+    batch = step_batch([part[0][i] for part, i in keep], [part[1][i] for part, i in keep])
+    scores, scored_early = ref(batch)
+    assert scored_early == 5 and ref.early == []
+    torch.testing.assert_close(scores, score_replies(batch, ref.scorer, ref.s), atol=1e-5, rtol=1e-5)
+    assert bool((scores[~batch["reply_mask"]] == 0).all()) and bool((scores[batch["reply_mask"]] != 0).all())
+
+
+def test_with_nothing_scored_early_the_step_scores_its_batch_as_before(reference):
+    ref = reference()
+    batch = step_batch(*sampled(6, seed=3))
+    scores, scored_early = ref(batch)
+    assert scored_early == 0
+    assert torch.equal(scores, score_replies(batch, ref.scorer, ref.s))
+
+
+def test_the_step_raises_what_scoring_early_raised(reference):
+    ref = reference()
+    prompts, replies = sampled(2, seed=4)
+    bad = [reply.clone() for reply in replies]
+    bad[0][0] = 10**6  # past the vocabulary: the reference's embedding fails on the thread
+    ref.score_early(prompts, bad)
+    with pytest.raises(IndexError):
+        ref(step_batch(prompts, replies))
+
+
+def test_a_run_scores_its_sampled_batches_early_and_trains_the_same(tmp_path):
+    """grpo/grpo.py on the tiny task, with ref_model.score_early and without: with it every row of every step was
+    scored while it was collected, and greedy eval batches were not handed over; the KL to the reference is the
+    same either way (the first step's, before any update, ~0: the same weights)."""
+    kl = {}
+    for early in (True, False):
+        run = train_in_process(tmp_path / str(early), [*SHORT_RUN, "train.total_steps=2",
+                                                       f"ref_model.score_early={early}"])
+        rows = [r for r in read_metrics(tmp_path / str(early) / "metrics.jsonl") if "kl_to_ref" in r]
+        assert [r["reference_rows_scored_early"] for r in rows] == [1.0 if early else 0.0] * 2
+        assert run.trainer.grpo_step.ref.early == []  # the run's last eval (greedy) handed nothing over
+        kl[early] = [r["kl_to_ref"] for r in rows]
+    assert kl[True][0] < 1e-6
+    assert kl[True] == pytest.approx(kl[False], rel=1e-5, abs=1e-9)
