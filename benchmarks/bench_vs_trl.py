@@ -479,8 +479,6 @@ def ours_command(spec: dict) -> list[str]:
         f"eval.batch_size={s['eval_batch_size']}", "logging.progress_bar=false",
         f"train_model.dtype={s['dtype']}", f"ref_model.dtype={s['dtype']}", f"inference_model.dtype={s['dtype']}",
         f"train_model.gradient_checkpointing={str(s['gradient_checkpointing']).lower()}",
-        # the GPU job's setting (grpo_gsm8k) on a GPU; on a CPU the tiny config's (off: the cores are the collection's)
-        f"ref_model.score_early={str(s['device'] == 'cuda').lower()}",
     ]
     return [sys.executable, "grpo/grpo.py", "--config-name", "grpo_tiny", *over, *s.get("ours_overrides", [])]
 

@@ -10,7 +10,7 @@ from grpo.loop.logger import read_metrics
 from grpo.process.setup import resolve_local_paths
 from grpo.rollout.replies import Replies
 from grpo.training.batch import to_training_batch
-from grpo.training.logprobs import ReplyLogProbs, score_replies
+from grpo.training.logprobs import ReplyLogProbs, gathered_scores, queue_scores, score_replies
 from grpo.training.models import load_causal_lm, load_tokenizer
 from grpo.training.reference import ReferenceScores
 from grpo.training.step import GRPOSettings
@@ -74,25 +74,40 @@ def test_with_nothing_scored_early_the_step_scores_its_batch_as_before(reference
     assert torch.equal(scores, score_replies(batch, ref.scorer, ref.s))
 
 
-def test_the_step_raises_what_scoring_early_raised(reference):
-    ref = reference()
-    prompts, replies = sampled(2, seed=4)
-    bad = [reply.clone() for reply in replies]
-    bad[0][0] = 10**6  # past the vocabulary: the reference's embedding fails on the thread
-    ref.score_early(prompts, bad)
-    with pytest.raises(IndexError):
-        ref(step_batch(prompts, replies))
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's queue is what is under test")
+def test_on_a_gpu_packed_rows_are_queued_without_waiting_for_the_gpu(tiny_model_dir):
+    """With packed rows, scoring a batch makes no host sync (torch's sync debug mode raises on one): the reference's
+    forward is queued and the CPU goes on with the collection; the scores are those of scoring in the step."""
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
+    scorer = ReplyLogProbs(model.requires_grad_(False), packed=True)
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}"])
+    settings = dataclasses.replace(GRPOSettings.from_config(cfg), packed_sequences=True, micro_batch_size=3,
+                                   micro_batch_tokens=None)
+    batch = step_batch(*sampled(7, seed=5))
+    expected = score_replies(batch, scorer, settings)  # also the first calls' one-off set-up (cuBLAS handles)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        queued = queue_scores(batch, scorer, settings)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    scores = gathered_scores(queued, tuple(batch["reply_mask"].shape)) * batch["reply_mask"]
+    torch.testing.assert_close(scores, expected)
 
 
-def test_a_run_scores_its_sampled_batches_early_and_trains_the_same(tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_run_scores_its_sampled_batches_early_and_trains_the_same(tmp_path, dynamic):
     """grpo/grpo.py on the tiny task, with ref_model.score_early and without: with it every row of every step was
-    scored while it was collected, and greedy eval batches were not handed over; the KL to the reference is the
-    same either way (the first step's, before any update, ~0: the same weights)."""
+    scored while it was collected (with dynamic sampling too, whose steps keep some groups of several batches),
+    and greedy eval batches were not handed over; the KL to the reference is the same either way (the first
+    step's, before any update, ~0: the same weights)."""
     kl = {}
     for early in (True, False):
-        run = train_in_process(tmp_path / str(early), [*SHORT_RUN, "train.total_steps=2",
-                                                       f"ref_model.score_early={early}"])
-        rows = [r for r in read_metrics(tmp_path / str(early) / "metrics.jsonl") if "kl_to_ref" in r]
+        run_dir = tmp_path / str(early)
+        run = train_in_process(run_dir, [*SHORT_RUN, "train.total_steps=2", f"train.dynamic_sampling={dynamic}",
+                                         f"ref_model.score_early={early}"])
+        rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "kl_to_ref" in r]
         assert [r["reference_rows_scored_early"] for r in rows] == [1.0 if early else 0.0] * 2
         assert run.trainer.grpo_step.ref.early == []  # the run's last eval (greedy) handed nothing over
         kl[early] = [r["kl_to_ref"] for r in rows]

@@ -232,9 +232,7 @@ class ReplySampler(torch.nn.Module):
                     compiled(*args)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            # thread_local: the reference may be scoring the step's earlier batch on its thread meanwhile
-            # (grpo.training.reference), and its syncs must not void this capture
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph):
                 compiled(*args)
 
         def replay():
@@ -305,9 +303,10 @@ class ReplySampler(torch.nn.Module):
             torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - start
         if do_sample and self.on_sampled is not None:
-            sequences, prompt_mask = out["sequences"].cpu().clone(), prompt_mask.cpu().bool()  # the caller's stay its own
+            # as TorchRL's wrapper hands replies on: without pad tokens (a sampled pad, which ends a reply, too)
+            sequences, prompt_mask = out["sequences"].cpu(), prompt_mask.cpu().bool()
             self.on_sampled([row[:prompt_len][mask] for row, mask in zip(sequences, prompt_mask)],
-                            list(sequences[:, prompt_len:]))
+                            [reply[reply != pad_token_id] for reply in sequences[:, prompt_len:]])
         return out
 
     def compact(self, buf, cache, rows, size, max_new_tokens, stop_ids, pad_token_id, sampling):

@@ -50,15 +50,31 @@ def score_replies(batch: TensorDict, score, s, world: World = World()) -> torch.
     """``[S, R]`` log-probs ``score`` (a ``ReplyLogProbs``) gives the replies, in micro-batches cut as
     training's (``s``: the step's ``GRPOSettings``). Each rank of ``world`` scores its share of the rows
     and every rank gets all of them; ``score`` must then not be sharded (ranks may cut differently)."""
-    device = next(score.parameters()).device
     mine = world.share(torch.arange(batch.batch_size[0]))
-    out = torch.zeros((len(mine), batch["reply_mask"].shape[1]))
-    for rows, part in micro_batches(batch[mine], s.micro_batch_size, s.micro_batch_tokens, s.packed_sequences):
-        part = part.to(device)
-        lp, _ = score(part["input_ids"], part["attention_mask"], part["reply_mask"].shape[1],
-                      with_entropy=False, entropy_grad=False)
-        out[rows, :lp.shape[1]] = lp.float().cpu()
+    out = gathered_scores(queue_scores(batch[mine], score, s), (len(mine), batch["reply_mask"].shape[1]))
     return world.gather_shares(out, batch.batch_size[0]) * batch["reply_mask"]
+
+
+@torch.no_grad()
+def queue_scores(batch: TensorDict, score, s) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each micro-batch's rows and the log-probs ``score`` gives them, left on its device: with packed rows
+    nothing here waits for the GPU (the masks stay on the CPU, ``packed_reply_states``), so the forward is queued
+    and the CPU goes on (``grpo.training.reference``); ``gathered_scores`` then waits for it."""
+    device = next(score.parameters()).device
+    queued = []
+    for rows, part in micro_batches(batch, s.micro_batch_size, s.micro_batch_tokens, s.packed_sequences):
+        lp, _ = score(part["input_ids"].to(device, non_blocking=True), part["attention_mask"],
+                      part["reply_mask"].shape[1], with_entropy=False, entropy_grad=False)
+        queued.append((rows, lp))
+    return queued
+
+
+def gathered_scores(queued: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple[int, int]) -> torch.Tensor:
+    """``queue_scores``' log-probs as one ``shape`` CPU tensor (0 past each micro-batch's width)."""
+    out = torch.zeros(shape)
+    for rows, lp in queued:
+        out[rows, :lp.shape[1]] = lp.float().cpu()
+    return out
 
 
 # Logits of at most this many bytes (float32) exist at once: a 152k vocabulary makes [S, R, V] logits
@@ -102,6 +118,7 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 def dense_reply_states(model, input_ids, attention_mask, width_r: int):
     """The decoder over the padded rows: the hidden states of the last ``R`` positions before the end, the reply
     tokens they predict (both flat, pads included) and how to put flat values back in ``[S, R]``."""
+    attention_mask = attention_mask.to(input_ids.device, non_blocking=True)
     # positions count real tokens only, as in generation from left-padded prompts
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask.long(),
@@ -115,20 +132,34 @@ def packed_reply_states(model, input_ids, attention_mask, width_r: int):
     """As ``dense_reply_states``, with the rows' real tokens laid end to end in one row: the decoder reads no pads
     (each row attends within itself, ``grpo.training.attention.packed_attention``) and the flat values are the
     real reply tokens' only. With real replies (0.5B on GSM8K: mean ~300 of a 512 cap) a third of a dense
-    micro-batch's tokens were pads."""
+    micro-batch's tokens were pads.
+
+    The layout (which tokens are real, where each reply token sits) is worked out where ``attention_mask`` is and
+    reaches ``input_ids``' device as indices: a mask on the CPU (scoring) makes the pass one the CPU queues
+    without waiting for the GPU; one on the GPU (training) waits for its count of real tokens, as boolean
+    indexing does."""
+    device = input_ids.device
     real = attention_mask.bool()
     lengths = real.sum(-1)
     cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
     position = real.long().cumsum(-1) - 1  # each real token's position in its row
-    placeholder_mask = torch.ones(PACKED_PLACEHOLDER_MASK_SHAPE, dtype=torch.bool, device=input_ids.device)
-    hidden = model.get_decoder()(input_ids=input_ids[real][None], position_ids=position[real][None],
-                                 attention_mask=placeholder_mask, use_cache=False, packed_cu_seqlens=cu_seqlens,
-                                 packed_max_length=int(lengths.max())).last_hidden_state[0]
     reply = real[:, real.shape[1] - width_r:]
     # reply token j of row i is predicted at the packed position before it: the row's start + its position - 1
     before = (cu_seqlens[:-1, None].long() + position[:, position.shape[1] - width_r:] - 1)[reply]
-    targets = input_ids[:, input_ids.shape[1] - width_r:][reply]
-    return hidden[before], targets, lambda flat: flat.new_zeros(reply.shape).masked_scatter(reply, flat)
+    is_reply = torch.zeros_like(real)
+    is_reply[:, real.shape[1] - width_r:] = reply
+    tokens, reply_tokens, reply_slots = (mask.flatten().nonzero()[:, 0] for mask in (real, is_reply, reply))
+    tokens, reply_tokens, reply_slots, before, cu_seqlens, packed_position = (
+        t.to(device, non_blocking=True) for t in (tokens, reply_tokens, reply_slots, before, cu_seqlens,
+                                                  position.flatten()[tokens]))
+    flat_ids = input_ids.flatten()
+    placeholder_mask = torch.ones(PACKED_PLACEHOLDER_MASK_SHAPE, dtype=torch.bool, device=device)
+    hidden = model.get_decoder()(input_ids=flat_ids[tokens][None], position_ids=packed_position[None],
+                                 attention_mask=placeholder_mask, use_cache=False, packed_cu_seqlens=cu_seqlens,
+                                 packed_max_length=int(lengths.max())).last_hidden_state[0]
+    slots = reply.numel()
+    return hidden[before], flat_ids[reply_tokens], \
+        lambda flat: flat.new_zeros(slots).index_put((reply_slots,), flat).view(reply.shape)
 
 
 def head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
