@@ -1,4 +1,5 @@
 import os
+import warnings
 
 from grpo.inference.vllm_import import import_torchrl_llm
 
@@ -6,3 +7,8 @@ from grpo.inference.vllm_import import import_torchrl_llm
 # imports it floods the console with vLLM's INFO lines. An engine then logs at inference_model.vllm_log_level.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 import_torchrl_llm()  # before anything here imports TorchRL's LLM modules: without vLLM, ~3.5 s less a process
+
+# Inductor warns on its first compile on any Ampere or later GPU that float32 matmuls do not use TF32, whatever the
+# graph. They stay float32 on purpose: the rotary angles (positions x inverse frequencies: TF32's 10-bit mantissa
+# would put a position-2000 angle off by about a radian) and float32 master weights. Every GPU run printed it.
+warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication")

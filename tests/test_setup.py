@@ -56,6 +56,25 @@ def test_a_short_run_prints_no_warnings_and_shows_replies_with_their_rewards(tmp
         assert f"step {step}: replies (all of them in samples.jsonl)" in proc.stdout
 
 
+def test_inductors_tf32_notice_is_not_shown_and_other_warnings_are():
+    """On any Ampere or later GPU inductor's first compile warned that float32 matmuls do not use TF32: every GPU
+    run printed it, and no user can act on it (grpo/__init__.py says why they stay float32). Here inductor's own
+    check runs as on such a GPU, in a process that imported grpo as the scripts do."""
+    code = """
+import warnings
+import torch
+import grpo
+from torch._inductor import compile_fx
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_capability = lambda *_: (9, 0)
+compile_fx._warn_tf32_disabled.__wrapped__()
+warnings.warn("another notice")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "another notice" in proc.stderr and "TensorFloat32" not in proc.stderr
+
+
 def test_sweep_jobs_get_their_own_wandb_run_and_resume_auto_picks_their_own_run():
     """Both jobs of a sweep share one experiment_name; every job runs, with its own value (a constant schedule: the
     lr its step 1 logs is the one swept). A second sweep with resume=auto, its values in the other order, continues
