@@ -74,6 +74,21 @@ def test_with_nothing_scored_early_the_step_scores_its_batch_as_before(reference
     assert torch.equal(scores, score_replies(batch, ref.scorer, ref.s))
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_batch_of_empty_replies_scores_as_empty_rows(reference, packed):
+    """A diverged model may sample a stop token first in every row: the batch handed over then has no reply token
+    at all, and scoring it gives [S, 0] rather than failing the collection (early) or the step."""
+    ref = reference()
+    ref.s = dataclasses.replace(ref.s, packed_sequences=packed)
+    ref.scorer.packed = packed
+    prompts, _ = sampled(4, seed=6)
+    sampled_pads = [torch.tensor([PAD, PAD]), torch.tensor([PAD]), torch.tensor([PAD, PAD, PAD]), torch.tensor([PAD])]
+    replies = [reply[reply != PAD] for reply in sampled_pads]  # as engines hand them over and TorchRL on: no pads
+    ref.score_early(prompts, replies)
+    scores, scored_early = ref(step_batch(prompts, replies))
+    assert scores.shape == (4, 0) and scored_early == 4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's queue is what is under test")
 def test_on_a_gpu_packed_rows_are_queued_without_waiting_for_the_gpu(tiny_model_dir):
     """With packed rows, scoring a batch makes no host sync (torch's sync debug mode raises on one): the reference's

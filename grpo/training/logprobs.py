@@ -105,7 +105,8 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     # one chunk, or no backward: nothing to save, so no recompute
     recompute = flat_targets.shape[0] > positions and torch.is_grad_enabled()
     chunks = []
-    for start in range(0, flat_targets.shape[0], positions):
+    # one chunk at least: replies that are all empty (a model that samples only stop tokens) score as [S, 0]
+    for start in range(0, max(flat_targets.shape[0], 1), positions):
         args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], temperature,
                 with_entropy, entropy_grad)
         chunks.append(checkpoint(head_fn, *args, use_reentrant=False) if recompute else head_fn(*args))
