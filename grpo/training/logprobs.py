@@ -147,20 +147,16 @@ def packed_reply_states(model, input_ids, attention_mask, width_r: int):
     reply = real[:, real.shape[1] - width_r:]
     # reply token j of row i is predicted at the packed position before it: the row's start + its position - 1
     before = (cu_seqlens[:-1, None].long() + position[:, position.shape[1] - width_r:] - 1)[reply]
-    is_reply = torch.zeros_like(real)
-    is_reply[:, real.shape[1] - width_r:] = reply
-    tokens, reply_tokens, reply_slots = (mask.flatten().nonzero()[:, 0] for mask in (real, is_reply, reply))
-    tokens, reply_tokens, reply_slots, before, cu_seqlens, packed_position = (
-        t.to(device, non_blocking=True) for t in (tokens, reply_tokens, reply_slots, before, cu_seqlens,
-                                                  position.flatten()[tokens]))
-    flat_ids = input_ids.flatten()
+    tokens, reply_slots = real.flatten().nonzero()[:, 0], reply.flatten().nonzero()[:, 0]
+    tokens, reply_slots, before, cu_seqlens, packed_position = (
+        t.to(device, non_blocking=True) for t in (tokens, reply_slots, before, cu_seqlens, position.flatten()[tokens]))
     placeholder_mask = torch.ones(PACKED_PLACEHOLDER_MASK_SHAPE, dtype=torch.bool, device=device)
-    hidden = model.get_decoder()(input_ids=flat_ids[tokens][None], position_ids=packed_position[None],
+    hidden = model.get_decoder()(input_ids=input_ids.flatten()[tokens][None], position_ids=packed_position[None],
                                  attention_mask=placeholder_mask, use_cache=False, packed_cu_seqlens=cu_seqlens,
                                  packed_max_length=int(lengths.max())).last_hidden_state[0]
+    targets = input_ids[:, input_ids.shape[1] - width_r:].flatten()[reply_slots]
     slots = reply.numel()
-    return hidden[before], flat_ids[reply_tokens], \
-        lambda flat: flat.new_zeros(slots).index_put((reply_slots,), flat).view(reply.shape)
+    return hidden[before], targets, lambda flat: flat.new_zeros(slots).index_put((reply_slots,), flat).view(reply.shape)
 
 
 def head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
