@@ -30,8 +30,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if "packed_cu_seqlens" in kwargs:
         return packed_attention(query, key, value, kwargs["packed_cu_seqlens"], kwargs["packed_max_length"], scaling)
     if "filled_kv_starts" in kwargs:
-        return filled_slots_attention(query, key, value, kwargs["filled_kv_starts"], kwargs["filled_kv_lengths"],
-                                      scaling)
+        return filled_slots_attention(query, key, value, kwargs["filled_query_starts"], kwargs["filled_kv_starts"],
+                                      kwargs["filled_kv_lengths"], scaling)
     placeholder = attention_mask is not None and tuple(attention_mask.shape) == PACKED_PLACEHOLDER_MASK_SHAPE
     if placeholder and query.shape[2] > 1:
         # packed rows whose bounds did not get here: SDPA would let every row attend to the rows before it
@@ -60,10 +60,10 @@ def decode_attention(query, key, value, attention_mask, scaling=None):
     return out.reshape(batch, q_heads, 1, head_dim).transpose(1, 2), None
 
 
-def filled_slots_attention(query, key, value, kv_starts, kv_lengths, scaling=None):
+def filled_slots_attention(query, key, value, query_starts, kv_starts, kv_lengths, scaling=None):
     """One-token queries ``[B, Hq, 1, D]`` against a KV cache ``[B, Hkv, S, D]``, reading only each reply's filled
     slots: FlashAttention's variable-length kernel, with each (reply, KV head) pair one sequence whose queries
-    are that group's query heads. Returns ``[B, 1, Hq, D]``.
+    are that group's query heads, from ``query_starts[j]`` on among the ``B * Hq``. Returns ``[B, 1, Hq, D]``.
 
     The cache is read flat, ``[B * Hkv * S]`` tokens of one head, so it is used in place: pair ``j`` (reply
     ``j // Hkv``) reads ``kv_lengths[j]`` tokens from ``kv_starts[j]`` on (``grpo.inference.decoding.
@@ -74,10 +74,9 @@ def filled_slots_attention(query, key, value, kv_starts, kv_lengths, scaling=Non
     batch, q_heads, _, head_dim = query.shape
     kv_heads, slots = key.shape[1], key.shape[2]
     group = q_heads // kv_heads  # transformers' grouping: query head i reads KV head i // group
-    cu_queries = torch.arange(0, batch * q_heads + 1, group, dtype=torch.int32, device=query.device)
     out = torch.ops.aten._flash_attention_forward(
         query.reshape(batch * q_heads, 1, head_dim), key.view(-1, 1, head_dim), value.view(-1, 1, head_dim),
-        cu_queries, kv_starts, group, slots, 0.0, False, False, scale=scaling, seqused_k=kv_lengths)[0]
+        query_starts, kv_starts, group, slots, 0.0, False, False, scale=scaling, seqused_k=kv_lengths)[0]
     return out.view(batch, q_heads, 1, head_dim).transpose(1, 2), None
 
 

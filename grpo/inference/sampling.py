@@ -1,0 +1,67 @@
+"""Drawing each decode step's next token from a batch of full-vocabulary logits, with its log-prob.
+
+Part of the decode step that ``grpo.inference.decoding`` captures as one CUDA graph: no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# a decode batch has few rows and a long vocabulary. Reduced a row at a time, the sampler's passes over 128 x 152k
+# logits (one Gumbel draw a token among them) took 210 us of a 1.5B decode step's 3.8 ms on an H100
+VOCAB_CHUNKS = 32
+
+
+def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float):
+    """The next token of each row and its log-prob under the distribution it was drawn from: softmax of
+    the logits / temperature, cut by top-k/top-p (as vLLM's ``processed_logprobs``); greedy: the raw logits'.
+
+    A draw is exact in two stages: a vocabulary chunk by its probability mass, then a token of that chunk by
+    its probability within it (each a Gumbel-max draw). So random numbers are drawn for one chunk a row, not
+    for the whole vocabulary."""
+    logits = logits.float()
+    if not greedy:
+        logits = logits / temperature
+        if top_k:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:
+            ordered, order = logits.sort(dim=-1, descending=True)
+            mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
+            ordered = ordered.masked_fill(mass_before > top_p, float("-inf"))  # the top token always stays
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+    chunks = vocab_chunks(logits)
+    log_mass = chunk_log_masses(chunks)
+    if greedy:
+        token = chunked_argmax(chunks)
+    else:
+        chunk = gumbel_argmax(log_mass)
+        inside = chunks.gather(1, chunk[:, None, None].expand(-1, 1, chunks.shape[-1]))[:, 0]
+        token = chunk * chunks.shape[-1] + gumbel_argmax(inside)
+    log_prob = logits.gather(-1, token[:, None])[:, 0] - log_mass.logsumexp(-1)
+    return token, log_prob
+
+
+def vocab_chunks(x):
+    """``[B, V]`` as ``[B, VOCAB_CHUNKS, ceil(V / VOCAB_CHUNKS)]``, the tail filled with -inf (never drawn)."""
+    padded = torch.nn.functional.pad(x, (0, -x.shape[-1] % VOCAB_CHUNKS), value=float("-inf"))
+    return padded.view(x.shape[0], VOCAB_CHUNKS, -1)
+
+
+def chunk_log_masses(chunks):
+    """``[B, C, L] -> [B, C]``: each chunk's logsumexp; -inf for a chunk that is all -inf (top-k/top-p, padding)."""
+    peak = chunks.amax(-1)
+    peak = peak.masked_fill(peak == float("-inf"), 0.0)
+    return peak + (chunks - peak[..., None]).exp().sum(-1).log()
+
+
+def gumbel_argmax(log_weights):
+    """A draw from softmax(``log_weights``) along the last dim: argmax(log_weights - log E), E ~ Exp(1)."""
+    return (log_weights - torch.empty_like(log_weights).exponential_().log()).argmax(-1)
+
+
+def chunked_argmax(chunks):
+    """The first maximum of each row of ``[B, C, L]`` chunks, as an index into the row's vocabulary."""
+    best, where = chunks.max(-1)
+    chunk = best.argmax(-1, keepdim=True)
+    return chunk[:, 0] * chunks.shape[-1] + where.gather(-1, chunk)[:, 0]
