@@ -191,7 +191,7 @@ def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainer
     gaps = {}
     for filled in (True, False):
         sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True, filled_slots=filled)
-        assert (sampler.kv_heads is not None) == filled
+        assert (sampler.heads is not None) == filled
         for do_sample in (True, False):
             torch.manual_seed(0)
             out = sampler.generate(ids, mask, **options(tok, model, do_sample=do_sample, **extra))

@@ -12,7 +12,8 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
   reply's filled cache slots (``grpo.training.attention``);
 - in an inference copy, runs each layer's q/k/v and gate/up projections as one GEMM each
   (``grpo.inference.fused_projections``: 23.8% -> 25.8% of the bound at 1.5B x 128 on an H100);
-- keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores);
+- keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores),
+  drawing the token in two stages (``grpo.inference.sampling``: random numbers for one vocabulary chunk a row);
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
 - lets rows whose reply has ended leave the batch (``compact_rows``): the batch halves whenever the rows
   still decoding fit in half of it, so a long tail of replies no longer decodes the whole batch;
@@ -285,7 +286,7 @@ class ReplySampler(torch.nn.Module):
         buf.log_probs.zero_()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         # prefill: eager, prompt widths vary. The last position by index, not ``logits_to_keep=1``: that slice is
-        # strided and cuBLAS ran the LM head on it at 23 GB/s, 20 ms a call at 1.5B x 128 on an H100 (0.18 ms a copy)
+        # strided, and cuBLAS ran the LM head on it in 20 ms at 1.5B x 128 on an H100 (a decode step's takes 0.18 ms)
         logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=buf.mask,
                             cache_position=torch.arange(prompt_len, device=device), use_cache=True,
                             logits_to_keep=torch.tensor([prompt_len - 1], device=device),
