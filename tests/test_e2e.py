@@ -97,6 +97,9 @@ def test_each_variant_trains_both_tiny_tasks(config, variant, tmp_path):
                                 "eval.frequency=0", "eval.num_problems=16"], config_name=config)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward" in r]
-    assert len(steps) == 2 and all(math.isfinite(r["loss_objective"]) and r["grad_norm"] > 0 for r in steps)
+    assert len(steps) == 2 and all(math.isfinite(r["loss_objective"]) for r in steps)
+    # the first update, from the fresh model, has a gradient; after it the tiny model may have collapsed onto one reply
+    # a prompt (entropy 0, seen with dr_grpo on grpo_ifeval_tiny), where a zero gradient is the right one
+    assert steps[0]["grad_norm"] > 0 and all(r["grad_norm"] > 0 or r["entropy"] == 0 for r in steps)
     if variant == "dapo":  # however many collections a step drew, it trains 8 whole groups (64 / 8, 32 / 4)
         assert all(len(r["prompt_indices"]) == 8 and "filtered_groups" in r for r in steps)

@@ -199,7 +199,10 @@ def test_two_ranks_train_as_one(setup, three_steps, tmp_path, two_ranks_with):  
     # compiled: Adam turns the last-digit gradient differences of near-zero gradients into ~2e-5 (the weights moved ~1e-3)
     atol = 1e-4 if compiled else 1e-5
     for name, weight in one["weights"].items():
-        torch.testing.assert_close(two["weights"][name], weight, atol=atol, rtol=1e-5, msg=name)
+        # a key bias adds the same amount to all of a query's scores, which softmax ignores: its gradient is rounding
+        # noise, which Adam makes lr-sized steps of either sign (1.4e-5 apart on 1 and 2 ranks, moved 2e-3 in all)
+        noise = name.endswith("k_proj.bias")
+        torch.testing.assert_close(two["weights"][name], weight, atol=1e-4 if noise else atol, rtol=1e-5, msg=name)
     # a push from the sharded policy sends whole tensors under the HF names, those of the trained weights
     assert two["pushed"].keys() == one["pushed"].keys()
     for name, tensor in two["pushed"].items():
