@@ -31,7 +31,7 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
             ordered = ordered.masked_fill(mass_before > top_p, float("-inf"))  # the top token always stays
             logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
     chunks = vocab_chunks(logits)
-    log_mass = chunk_log_masses(chunks)
+    log_mass = chunks.logsumexp(-1)  # each chunk's; -inf where top-k/top-p or the padding left none
     if greedy:
         token = chunked_argmax(chunks)
     else:
@@ -46,13 +46,6 @@ def vocab_chunks(x):
     """``[B, V]`` as ``[B, VOCAB_CHUNKS, ceil(V / VOCAB_CHUNKS)]``, the tail filled with -inf (never drawn)."""
     padded = torch.nn.functional.pad(x, (0, -x.shape[-1] % VOCAB_CHUNKS), value=float("-inf"))
     return padded.view(x.shape[0], VOCAB_CHUNKS, -1)
-
-
-def chunk_log_masses(chunks):
-    """``[B, C, L] -> [B, C]``: each chunk's logsumexp; -inf for a chunk that is all -inf (top-k/top-p, padding)."""
-    peak = chunks.amax(-1)
-    peak = peak.masked_fill(peak == float("-inf"), 0.0)
-    return peak + (chunks - peak[..., None]).exp().sum(-1).log()
 
 
 def gumbel_argmax(log_weights):
