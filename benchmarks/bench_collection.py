@@ -1,22 +1,19 @@
 #!/usr/bin/env python
-"""What a rollout collection costs outside the sampler: TorchRL's ``LLMCollector`` loop against ours
-(``grpo.tasks.envs.OneTurnCollector``), in one invocation (CPU, one thread; or the model on a GPU).
+"""What a rollout collection costs outside the sampler: TorchRL's ``LLMCollector`` loop and ``TransformersWrapper``
+policy against ours (``grpo.tasks.envs.OneTurnCollector``, ``grpo.inference.reply_policy.ReplyPolicy``), in one
+invocation (CPU, one thread; or the model on a GPU).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_collection.py                  # 128 replies x 256 tokens
     OMP_NUM_THREADS=1 python benchmarks/bench_collection.py --replies 64 --max-new-tokens 64
-    python benchmarks/bench_collection.py --device cuda --max-new-tokens 300  # also: the wrapper on the GPU
+    python benchmarks/bench_collection.py --device cuda --max-new-tokens 300
 
 The tiny model (``config/grpo_tiny``) generates ``--replies`` replies of exactly ``--max-new-tokens`` tokens
 (no stop token ends them early) through the training env (GSM8K chat prompts and reward). Each round
-collects one batch with each collector, alternating which goes first; per collection it prints the wall
-and process CPU seconds, the seconds inside the sampler (``ReplySampler.generate``) and the rest: the
-env's reset and step (chat history, reward), the collector's loop and the policy wrapper. The medians over
-the rounds are compared: ``rest`` is what a GPU host pays on its CPU every step, whatever the GPU.
-
-With ``--device cuda`` a third policy is timed too, as the policy was until 2026-11-27: TorchRL's wrapper on the
-sampler's GPU (prompts moved there by TorchRL, the sampler's replies left there) and its output tensordict moved
-to the CPU afterwards; ours keeps the wrapper on the CPU and the sampler moves one prompt batch and two reply
-tensors.
+collects one batch with each of three (TorchRL's collector and wrapper; ours with TorchRL's wrapper, as until
+2026-11-27; ours with our policy), alternating the order; per collection it prints the wall and process CPU
+seconds, the seconds inside the sampler (``ReplySampler.generate``) and the rest: the env's reset and step (chat
+history, reward), the collector's loop and the policy around the sampler. The medians over the rounds are
+compared: ``rest`` is what a GPU host pays on its CPU every step, whatever the GPU.
 """
 
 from __future__ import annotations
@@ -67,46 +64,30 @@ def build(args):
     return env, policy, sampler, sampler_s
 
 
-def wrapper_on_device(policy, sampler):
-    """The policy as it was until 2026-11-27: TorchRL's wrapper on the sampler's device, its output moved to
-    the CPU (where envs and rewards live) tensordict by tensordict."""
-    from grpo.inference.engine import GeneratingWrapper
-
-    class OutputMovedToCPU(GeneratingWrapper):
-        def forward(self, tensordict, *args, **kwargs):
-            return super().forward(tensordict, *args, **kwargs).to("cpu").clear_device_()
-
-    on_device = OutputMovedToCPU(sampler, tokenizer=policy.tokenizer, input_mode="history", generate=True,
-                                 return_log_probs=True, pad_output=False, generate_kwargs={
-                                     k: v for k, v in policy.generate_kwargs.items() if (k, v) != ("top_k", 0)},
-                                 device=next(sampler.parameters()).device)
-    on_device.generate_kwargs.update(policy.generate_kwargs)
-    return on_device
-
-
-def collectors(env, policy, sampler, replies: int, device: str) -> dict:
-    """TorchRL's collector, set up as make_collector sets up ours, and ours (on a GPU: also with the wrapper there)."""
+def collectors(env, policy, sampler, replies: int) -> dict:
+    """TorchRL's collector and policy wrapper, set up as the engine set them up, then ours: collector first, then
+    policy too (``grpo.inference.reply_policy.ReplyPolicy``, since 2026-11-27)."""
     import warnings
 
     from torchrl.collectors.llm import LLMCollector
 
     from grpo.tasks.envs import make_collector
+    from torchrl_wrapper import torchrl_history_policy
 
+    wrapper = torchrl_history_policy(sampler, policy.tokenizer, policy.generate_kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # TorchRL's InitTracker notice, as make_collector silences it
-        torchrl = LLMCollector(env, policy=policy, dialog_turns_per_batch=replies, total_dialog_turns=-1)
+        torchrl = LLMCollector(env, policy=wrapper, dialog_turns_per_batch=replies, total_dialog_turns=-1)
     torchrl.return_same_td = True
-    variants = {"torchrl LLMCollector": iter(torchrl), "OneTurnCollector": iter(make_collector(env, policy, replies))}
-    if device != "cpu":
-        variants["OneTurnCollector, wrapper on the GPU"] = iter(make_collector(env, wrapper_on_device(policy, sampler),
-                                                                               replies))
-    return variants
+    return {"torchrl LLMCollector + TransformersWrapper": iter(torchrl),
+            "OneTurnCollector + TransformersWrapper": iter(make_collector(env, wrapper, replies)),
+            "OneTurnCollector + ReplyPolicy": iter(make_collector(env, policy, replies))}
 
 
 def main(argv=None):
     args = parse_args(argv)
     env, policy, sampler, sampler_s = build(args)
-    batches = collectors(env, policy, sampler, args.replies, args.device)
+    batches = collectors(env, policy, sampler, args.replies)
     names = list(batches)
     for name in names:  # a first collection each: the sampler's first call and the env's lazy setup
         next(batches[name])
@@ -123,14 +104,13 @@ def main(argv=None):
             rows[name].append(row)
     medians = {name: {key: statistics.median(r[key] for r in rows[name]) for key in ("rest_s", "wall_s", "cpu_s")}
                for name in names}
-    ours = medians["OneTurnCollector"]
-    for name in names:
-        if name != "OneTurnCollector":
-            before = medians[name]
-            print(f"medians of {args.rounds}, {name} -> OneTurnCollector: outside the sampler {before['rest_s']:.3f} s "
-                  f"-> {ours['rest_s']:.3f} s ({before['rest_s'] / ours['rest_s']:.2f}x); whole collection "
-                  f"{before['wall_s']:.3f} s -> {ours['wall_s']:.3f} s (CPU {before['cpu_s']:.3f} s -> "
-                  f"{ours['cpu_s']:.3f} s)")
+    ours = medians[names[-1]]
+    for name in names[:-1]:
+        before = medians[name]
+        print(f"medians of {args.rounds}, {name} -> {names[-1]}: outside the sampler {before['rest_s']:.3f} s "
+              f"-> {ours['rest_s']:.3f} s ({before['rest_s'] / ours['rest_s']:.2f}x); whole collection "
+              f"{before['wall_s']:.3f} s -> {ours['wall_s']:.3f} s (CPU {before['cpu_s']:.3f} s -> "
+              f"{ours['cpu_s']:.3f} s)")
 
 
 if __name__ == "__main__":

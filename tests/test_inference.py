@@ -171,7 +171,7 @@ def test_inference_model_compact_rows_reaches_the_decode_loop_and_replies_come_b
     assert all(torch.equal(a, b) for a, b in zip(prompts, replies.prompts(), strict=True))
     assert all(torch.equal(a[:len(b)], b) and (len(a) == len(b) or torch.isin(b[-1], torch.tensor(stop_ids)))
                for a, b in zip(sampled, replies.replies(), strict=True))
-    sizes = engine.policy.model.batch_sizes
+    sizes = engine.sampler.batch_sizes
     assert sizes[0] == 64 and (len(sizes) > 1) == compact_rows
     for reply, log_probs in zip(replies.replies(), replies.log_probs()):
         ends = torch.isin(reply, torch.tensor(stop_ids)).nonzero()[:, 0].tolist()

@@ -1,6 +1,9 @@
+import random
+
 import pytest
 
-from grpo.tasks.rewards import is_well_formatted, numbers_match, parse_number, reference_answer
+from grpo.tasks.rewards import (_NUMBER, _numbers_text, is_well_formatted, last_number, numbers_match, parse_number,
+                                reference_answer)
 
 
 @pytest.mark.parametrize("text, value", [
@@ -255,3 +258,15 @@ def test_boxed_thousands_in_latex(tiny_tok):
 
     got = _one(GSM8KReward(tiny_tok, answer_extraction="strict"), "So \\boxed{1{,}208}", "#### 1208")
     assert got["success"] is True
+
+
+def test_last_number_read_from_the_end_is_the_last_match_over_the_whole_reply():
+    """The flexible answer is found from the reply's end; it must be what matching the whole reply gives, for any
+    mix of digits (unicode ones too), separators, signs, spaces and the rest."""
+    alphabet = [*"0123456789,.$- \n\tab{}", "\u2212", "{,}", "\u0663", "\uff13", "\u00a0", "\u2009"]
+    rng = random.Random(0)
+    texts = ["", "no digits", "1,", "-.5", "$ 1,200.50.", "pay $3 then 4 ,5"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24))) for _ in range(20000)]
+    for text in texts:
+        every = _NUMBER.findall(_numbers_text(text))
+        assert last_number(text) == (every[-1].strip() if every else None), text

@@ -1,4 +1,4 @@
-"""Generation with transformers: TorchRL's wrapper for rollouts and eval, weight pushes, and the
+"""Generation with transformers: our decode loop and TorchRL policy for rollouts and eval, weight pushes, and the
 choice of engine (``inference_model.backend``: this one, or ``grpo.inference.vllm_backend``)."""
 
 from __future__ import annotations
@@ -6,11 +6,10 @@ from __future__ import annotations
 import time
 
 import torch
-from torchrl.modules.llm import TransformersWrapper
 
 from grpo.inference.decoding import ReplySampler
-from grpo.inference.generation import (EngineSettings, InferenceEngine, as_state_dict, generate_kwargs,
-                                      no_nested_tensor_notice, weights_checksum)
+from grpo.inference.generation import EngineSettings, InferenceEngine, as_state_dict, generate_kwargs, weights_checksum
+from grpo.inference.reply_policy import ReplyPolicy
 from grpo.process.world import is_sharded
 from grpo.training.models import load_causal_lm, torch_dtype
 
@@ -90,33 +89,8 @@ class TransformersInference:
         pass
 
 
-class GeneratingWrapper(TransformersWrapper):
-    """TorchRL's transformers wrapper around a ``ReplySampler``, whose ``generate`` returns the sampled
-    tokens' log-probs where ``model.generate`` returns full-vocabulary logits (``grpo.inference.decoding``)."""
-
-    def forward(self, *args, **kwargs):
-        with no_nested_tensor_notice():
-            return super().forward(*args, **kwargs)
-
-    @classmethod
-    def _log_probs_generate(cls, tokens, log_probs, pad_val=-100, pad=True):
-        # TorchRL's version takes logits and zeroes the first token's log-prob (0.14.1), which made
-        # that token's importance ratio pi_theta(token) instead of ~1, always clipped
-        return torch.where(tokens != pad_val, log_probs, 0.0), log_probs
-
-
-def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict):
-    """Generation in history mode: chat prompts in, sampled replies plus their log-probs out."""
-    # TorchRL 0.14 refuses top_k=0 ("off"): it gets what it accepts, and generate() then gets
-    # every option as given.
-    policy = GeneratingWrapper(
-        sampler, tokenizer=tokenizer, input_mode="history", generate=True, return_log_probs=True,
-        pad_output=False, generate_kwargs={k: v for k, v in gen_kwargs.items() if (k, v) != ("top_k", 0)},
-        prefer_tokens=True,  # the env's prompt tokens (grpo.tasks.envs.GroupPromptTokens): no chat template here
-        # no device: the wrapper's tensors stay on the CPU, where envs, rewards and buffers live. The sampler
-        # takes the prompt batch to its GPU and hands back the replies as two CPU tensors, instead of TorchRL
-        # moving prompts and then every reply's tensordict between devices item by item
-        device=None,
-    )
-    policy.generate_kwargs.update(gen_kwargs)
-    return policy
+def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict) -> ReplyPolicy:
+    """Generation in history mode: chat prompts in, sampled replies plus their log-probs out. The policy's tensors
+    stay on the CPU, where envs, rewards and buffers live: the sampler takes the prompt batch to its GPU and hands
+    back the replies as two CPU tensors."""
+    return ReplyPolicy(sampler, tokenizer, gen_kwargs)

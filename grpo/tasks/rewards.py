@@ -92,9 +92,24 @@ def marked_answer(text: str) -> str | None:
     return max(found)[1] if found else None
 
 
+_NUMBER_RUN = re.compile(r"[\d\s,.$-]*")  # the characters a _NUMBER match is made of
+_DIGIT = re.compile(r"\d")
+
+
 def last_number(text: str) -> str | None:
-    numbers = _NUMBER.findall(_numbers_text(text))
-    return numbers[-1].strip() if numbers else None
+    """The reply's last number, as the last of ``_NUMBER.findall`` over it. Read from the end: the last digit, the
+    run of number characters around it (no match spans another character), and the numbers in that run alone.
+    Matching the whole reply took 17% of a collection's host time outside the sampler (py-spy, 1.5B default job on
+    an H100, random-init replies)."""
+    text = _numbers_text(text)
+    backwards = text[::-1]
+    digit = _DIGIT.search(backwards)
+    if digit is None:
+        return None
+    last = len(text) - 1 - digit.start()
+    run_start = len(text) - _NUMBER_RUN.match(backwards, digit.start()).end()
+    numbers = _NUMBER.findall(text, run_start, _NUMBER_RUN.match(text, last).end())
+    return numbers[-1].strip()
 
 
 # Always treated as special, whatever the tokenizer says (TorchRL's chat parsing knows them too).
