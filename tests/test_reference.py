@@ -10,7 +10,7 @@ from grpo.loop.logger import read_metrics
 from grpo.process.setup import resolve_local_paths
 from grpo.rollout.replies import Replies
 from grpo.training.batch import to_training_batch
-from grpo.training.logprobs import ReplyLogProbs, gathered_scores, queue_scores, score_replies
+from grpo.training.logprobs import ReplyLogProbs, gathered_scores, queue_scores, queued_copy, score_replies
 from grpo.training.models import load_causal_lm, load_tokenizer
 from grpo.training.reference import ReferenceScores
 from grpo.training.step import GRPOSettings
@@ -89,10 +89,29 @@ def test_a_batch_of_empty_replies_scores_as_empty_rows(reference, packed):
     assert scores.shape == (4, 0) and scored_early == 4
 
 
+GPU_BUSY_CYCLES = 2_000_000_000  # ~1 s of an H100's clock
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's queue is what is under test")
+def test_a_host_tensor_s_queued_copy_does_not_wait_for_the_gpu():
+    """``queued_copy`` pins the tensor first: a copy from pageable memory larger than the driver's staging buffers
+    waits for the stream's queued kernels (a reference micro-batch's inputs are a few MB)."""
+    ids = torch.arange(4_000_000)  # 32 MB
+    for copy, waits in ((queued_copy, False), (lambda t, device: t.to(device, non_blocking=True), True)):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(GPU_BUSY_CYCLES)
+        busy = torch.cuda.Event()
+        busy.record()
+        on_gpu = copy(ids, torch.device("cuda"))
+        assert busy.query() is waits
+        assert torch.equal(on_gpu.cpu(), ids)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's queue is what is under test")
 def test_on_a_gpu_packed_rows_are_queued_without_waiting_for_the_gpu(tiny_model_dir):
-    """With packed rows, scoring a batch makes no host sync (torch's sync debug mode raises on one): the reference's
-    forward is queued and the CPU goes on with the collection; the scores are those of scoring in the step."""
+    """With packed rows, scoring a batch neither syncs the host (torch's sync debug mode raises on one) nor waits for
+    the kernels queued before it (micro-batch after micro-batch): the reference's forward is queued and the CPU goes
+    on with the collection; the scores are those of scoring in the step."""
     tok = load_tokenizer(tiny_model_dir)
     model = load_causal_lm(tiny_model_dir, tok, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
     scorer = ReplyLogProbs(model.requires_grad_(False), packed=True)
@@ -102,11 +121,15 @@ def test_on_a_gpu_packed_rows_are_queued_without_waiting_for_the_gpu(tiny_model_
     batch = step_batch(*sampled(7, seed=5))
     expected = score_replies(batch, scorer, settings)  # also the first calls' one-off set-up (cuBLAS handles)
     torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_BUSY_CYCLES)  # the GPU still busy with what was queued before
+    busy = torch.cuda.Event()
+    busy.record()
     torch.cuda.set_sync_debug_mode("error")
     try:
         queued = queue_scores(batch, scorer, settings)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    assert not busy.query(), "queuing the micro-batches waited for the GPU"
     scores = gathered_scores(queued, tuple(batch["reply_mask"].shape)) * batch["reply_mask"]
     torch.testing.assert_close(scores, expected)
 

@@ -63,7 +63,7 @@ def queue_scores(batch: TensorDict, score, s) -> list[tuple[torch.Tensor, torch.
     device = next(score.parameters()).device
     queued = []
     for rows, part in micro_batches(batch, s.micro_batch_size, s.micro_batch_tokens, s.packed_sequences):
-        lp, _ = score(part["input_ids"].to(device, non_blocking=True), part["attention_mask"],
+        lp, _ = score(queued_copy(part["input_ids"], device), part["attention_mask"],
                       part["reply_mask"].shape[1], with_entropy=False, entropy_grad=False)
         queued.append((rows, lp))
     return queued
@@ -129,6 +129,16 @@ def dense_reply_states(model, input_ids, attention_mask, width_r: int):
     return hidden.flatten(0, 1), targets.flatten(), lambda flat: flat.view_as(targets)
 
 
+def queued_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``, the copy queued without the host waiting. From pageable host memory CUDA waits for
+    the stream's queued kernels before it copies, so each reference micro-batch's inputs waited for the one before:
+    ~0.15 s a step of the 1.5B default job on an H100 host sat in these copies (py-spy). Pinned first, the copy is
+    only queued (torch keeps the pinned block until the copy has run)."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def packed_reply_states(model, input_ids, attention_mask, width_r: int):
     """As ``dense_reply_states``, with the rows' real tokens laid end to end in one row: the decoder reads no pads
     (each row attends within itself, ``grpo.training.attention.packed_attention``) and the flat values are the
@@ -149,7 +159,7 @@ def packed_reply_states(model, input_ids, attention_mask, width_r: int):
     before = (cu_seqlens[:-1, None].long() + position[:, position.shape[1] - width_r:] - 1)[reply]
     tokens, reply_slots = real.flatten().nonzero()[:, 0], reply.flatten().nonzero()[:, 0]
     tokens, reply_slots, before, cu_seqlens, packed_position = (
-        t.to(device, non_blocking=True) for t in (tokens, reply_slots, before, cu_seqlens, position.flatten()[tokens]))
+        queued_copy(t, device) for t in (tokens, reply_slots, before, cu_seqlens, position.flatten()[tokens]))
     placeholder_mask = torch.ones(PACKED_PLACEHOLDER_MASK_SHAPE, dtype=torch.bool, device=device)
     hidden = model.get_decoder()(input_ids=input_ids.flatten()[tokens][None], position_ids=packed_position[None],
                                  attention_mask=placeholder_mask, use_cache=False, packed_cu_seqlens=cu_seqlens,
