@@ -164,7 +164,8 @@ def decode_step(model, cache, cache_name: str, buf: DecodeBuffers, pad_token_id:
 
 
 class ReplySampler(torch.nn.Module):
-    """What TorchRL's ``TransformersWrapper`` calls ``generate`` on: samples replies with ``model``.
+    """What the engine's policy (``grpo.inference.reply_policy``) calls ``generate`` on: samples replies with ``model``,
+    returned as TorchRL's ``TransformersWrapper`` reads them (which can wrap it too).
 
     ``compile``: on a single CUDA device, the decode step (forward, sampler, bookkeeping) is compiled
     and captured as one CUDA graph, so a token costs one replay and no Python. torch.compile's own
@@ -320,7 +321,7 @@ class ReplySampler(torch.nn.Module):
             torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - start
         if do_sample and self.on_sampled is not None:
-            # as TorchRL's wrapper hands replies on: without pad tokens (a sampled pad, which ends a reply, too)
+            # as the policy hands replies on: without pad tokens (a sampled pad, which ends a reply, too)
             sequences, prompt_mask = out["sequences"].cpu(), prompt_mask.cpu().bool()
             self.on_sampled([row[:prompt_len][mask] for row, mask in zip(sequences, prompt_mask)],
                             [reply[reply != pad_token_id] for reply in sequences[:, prompt_len:]])

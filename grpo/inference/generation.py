@@ -65,7 +65,7 @@ class InferenceEngine(Protocol):
     ``policy`` samples rollouts and ``greedy_policy`` evaluates: TorchRL policies taking chat histories
     and returning replies with their sampled tokens' log-probs. ``version`` is the weights version last
     pushed (``None``: the model files' weights, none pushed yet). ``generate_s``: the seconds spent so far
-    inside the engine's own generate calls (both policies'); the rest of a collection is TorchRL's wrapper
+    inside the engine's own generate calls (both policies'); the rest of a collection is the policy around them
     (chat template, tokenizing, decoding the replies into chat histories), the env and its reward.
     ``on_sampled``: ``None``, or called with each batch ``policy`` samples as soon as the engine returns it: its
     prompts' and replies' token ids, a list of CPU tensors each (the reference scores them meanwhile:

@@ -270,12 +270,12 @@ class GroupPromptTokens(IncrementalTokenizer):
 
     def _set_tokens(self, tensordict, tokens_list) -> None:
         # a lazy stack of per-reply tensordicts (the env's) cannot give back ragged rows as one tensor: left-padded
-        # with the pad id, as the wrappers' prefer_tokens path reads a padded prompt tensor
+        # with the pad id, as the policies read a padded prompt tensor (TorchRL's vLLM wrapper with prefer_tokens)
         tensordict.set(self.tokens_key, pad_sequence(tokens_list, batch_first=True, padding_side="left",
                                                      padding_value=self.tokenizer.pad_token_id))
 
     def _step(self, tensordict, next_tensordict):
-        # the next turn's prompt is this turn's full history (ChatEnv), whose tokens the wrapper returned
+        # the next turn's prompt is this turn's full history (ChatEnv), whose tokens the policy returned
         full = tensordict.get((*unravel_key(self.tokens_key)[:-1], "full"), None, as_list=True)
         if full is None:
             return super()._step(tensordict, next_tensordict)
