@@ -1,10 +1,10 @@
-"""grpo/training/models.py: loading, attention kernels, the ids that end a reply (a bad model folder: test_bad_inputs.py)."""
+"""grpo/training/models.py: loading, attention kernels, CPU threads, the ids that end a reply (a bad model folder: test_bad_inputs.py)."""
 
 import pytest
 import torch
 
 from conftest import compose
-from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model,
+from grpo.training.models import (configure_attention_kernels, configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
 
 
@@ -20,6 +20,23 @@ def test_cudnn_attention_follows_the_config():
     finally:
         cfg.model.cudnn_attention = False
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_a_gpu_run_s_process_takes_gpu_run_threads_and_a_cpu_run_keeps_its_threads():
+    cfg = compose("grpo_tiny")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        configure_torch(cfg, on_gpu=False)
+        assert torch.get_num_threads() == 2
+        configure_torch(cfg, on_gpu=True)
+        assert torch.get_num_threads() == 1  # the config's default
+        torch.set_num_threads(2)
+        cfg.gpu_run_threads = None  # torch's own default: left as it is
+        configure_torch(cfg, on_gpu=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_stop_ids_cover_tokenizer_and_model_eos():

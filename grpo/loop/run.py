@@ -43,7 +43,7 @@ from grpo.rollout.local_rollouts import RankGeneration
 from grpo.tasks.envs import load_splits, make_env, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.training import checkpoint as ckpt
-from grpo.training.models import (configure_attention_kernels, load_policy_model, load_reference_model,
+from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
 from grpo.training.trainer import Trainer
 
@@ -205,7 +205,7 @@ def checkpoints_at_once(cfg, start_step: int, written: int) -> int:
 def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Trainer:
     """The policy (sharded over ``world``'s ranks), the frozen reference and the GRPO step; rank 0 then has
     the other ranks build the same (``follow_run``)."""
-    configure_attention_kernels(cfg)
+    configure_torch(cfg, on_gpu=not devices.cpu)
     own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
     gpu = devices.current_gpu(world.rank, world.size)
     if gpu is not None:  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator is made there

@@ -41,6 +41,9 @@ def validate_config(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         need(value is None or isinstance(value, (int, float)) and not isinstance(value, bool),
              f"{key}={value!r} must be a number or null.")
+    threads = cfg.gpu_run_threads
+    need(threads is None or type(threads) is int and threads >= 1, f"gpu_run_threads={threads!r} must be a whole "
+         "number >= 1 (CPU threads of each process of a GPU run), or null for torch's default (one per core).")
     need(isinstance(cfg.seed, int) and cfg.seed >= 0, f"seed={cfg.seed!r} must be a whole number >= 0 (numpy "
          "refuses negative seeds); e.g. seed=0.")
     o, im = cfg.optimizer, cfg.inference_model

@@ -51,14 +51,14 @@ class RolloutWorker:
         from grpo.inference.engine import make_inference
         from grpo.process.setup import seed_everything
         from grpo.tasks.envs import make_collector, make_env
-        from grpo.training.models import configure_attention_kernels, load_tokenizer
+        from grpo.training.models import configure_torch, load_tokenizer
 
         set_list_to_stack(True).set()
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
         self._own_gpu_current()
-        configure_attention_kernels(cfg)
+        configure_torch(cfg, on_gpu=device == "cuda")
         tokenizer = load_tokenizer(cfg.model.name)
         # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
         # pending below, replace its weights before the first batch

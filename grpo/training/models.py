@@ -72,6 +72,19 @@ def wrapper_chat_template(tokenizer) -> str | None:
     return recorder.template
 
 
+def configure_torch(cfg, *, on_gpu: bool) -> None:
+    """Process-wide torch settings of a run's process: the attention kernels (``configure_attention_kernels``) and,
+    in a process of a GPU run, ``gpu_run_threads`` CPU threads (a CPU run keeps torch's default, one per core).
+
+    Such a process's CPU tensor work is bookkeeping: micro-batches indexed, masks laid out. For it torch woke one
+    OpenMP thread per core, and on an H100 host (16 cores) ten 16-row indexings took ~0.15 ms at the median but up to
+    52 ms with 16 threads, at most 0.7 ms with one; before most of the 1.5B bench step's 16 training micro-batches the
+    GPU sat idle 15-51 ms while they ran (benchmarks/README.md)."""
+    configure_attention_kernels(cfg)
+    if on_gpu and cfg.gpu_run_threads is not None:
+        torch.set_num_threads(cfg.gpu_run_threads)
+
+
 def configure_attention_kernels(cfg) -> None:
     """Which kernels ``scaled_dot_product_attention`` may pick on a GPU (process-wide).
 
