@@ -22,7 +22,9 @@ def test_cudnn_attention_follows_the_config():
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-def test_a_gpu_run_s_process_takes_gpu_run_threads_and_a_cpu_run_keeps_its_threads():
+def test_a_gpu_run_s_process_takes_gpu_run_threads_and_a_cpu_run_keeps_its_threads(monkeypatch):
+    # vLLM's CPU worker, once started in this process (an earlier test's), replaces torch.set_num_threads with a no-op
+    monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
     cfg = compose("grpo_tiny")
     before = torch.get_num_threads()
     try:
