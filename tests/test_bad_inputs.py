@@ -242,6 +242,8 @@ CASES = [
          "inference_model.temperature=-0.5", "must be > 0"),
     case("top_p-zero", config("inference_model.top_p=0"), ConfigError, "inference_model.top_p=0", "(0, 1]"),
     case("seed-negative", config("seed=-1"), ConfigError, "seed=-1", ">= 0", "seed=0"),
+    case("ref-micro_batch_tokens-zero", config("ref_model.micro_batch_tokens=0"), ConfigError,
+         "ref_model.micro_batch_tokens=0", ">= 1", "null"),
     case("gpu_run_threads-zero", config("gpu_run_threads=0"), ConfigError, "gpu_run_threads=0", ">= 1", "null"),
     case("gpu_run_threads-text", config("gpu_run_threads=many"), ConfigError, "gpu_run_threads='many'", "whole number"),
     case("num_envs-zero", config("env.num_envs=0"), ConfigError, "env.num_envs=0", ">= 1"),

@@ -151,3 +151,25 @@ def test_a_run_scores_its_sampled_batches_early_and_trains_the_same(tmp_path, dy
         kl[early] = [r["kl_to_ref"] for r in rows]
     assert kl[True][0] < 1e-6
     assert kl[True] == pytest.approx(kl[False], rel=1e-5, abs=1e-9)
+
+
+def test_a_token_budget_of_its_own_cuts_the_reference_s_forwards_by_tokens_alone(reference):
+    """``ref_model.micro_batch_tokens``: the reference (no grad) takes as many rows a forward as the budget holds, not
+    training's 3, and gives the scores training's cut gives."""
+    by_rows = reference()
+    batch = step_batch(*sampled(7, seed=4))
+    shapes = []
+    hook = by_rows.scorer.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    try:
+        expected, _ = by_rows(batch)
+        forwards = {"training's": len(shapes)}
+        for budget in (10_000, 1):
+            shapes.clear()
+            by_tokens = ReferenceScores(by_rows.scorer, dataclasses.replace(by_rows.s, ref_micro_batch_tokens=budget),
+                                        pad_token_id=PAD, stop_token_ids=[PAD, EOS])
+            scores, _ = by_tokens(batch)
+            forwards[budget] = len(shapes)
+            torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+    finally:
+        hook.remove()
+    assert forwards == {"training's": 3, 10_000: 1, 1: 7}  # 7 rows: 3 + 3 + 1; all at once; a row a forward

@@ -21,7 +21,7 @@ from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_env
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batches, to_training_batch, trim_padding
-from grpo.training.logprobs import ReplyLogProbs, score_replies
+from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
 from grpo.training.step import GRPOSettings, GRPOStep, LossTotals, grpo_terms, per_sample_kl_to_ref, weighted_loss
 from grpo.training.trainer import make_optimizer, make_scheduler
@@ -355,6 +355,42 @@ def test_packed_step_trains_as_the_dense_step(setup):
         assert metrics_p[key] == pytest.approx(metrics_d[key], rel=1e-4, abs=1e-6), key
     for name, weight in weights_d.items():
         torch.testing.assert_close(weights_p[name], weight, atol=1e-6, rtol=1e-5)
+
+
+GPU_BUSY_CYCLES = 2_000_000_000  # ~1 s of an H100's clock
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's queue is what is under test")
+def test_on_a_gpu_a_packed_micro_batch_trains_without_waiting_for_the_gpu(setup):
+    """``micro_on_device``: a packed micro-batch's forward and backward are queued while the GPU is still busy with
+    what came before (the host neither syncs nor waits), with the loss and gradient of the micro-batch moved whole."""
+    cfg, _, model, _, batch = setup
+    cuda = torch.device("cuda")
+    policy = ReplyLogProbs(copy.deepcopy(model).to(cuda, torch.bfloat16), packed=True)
+    s = dataclasses.replace(GRPOSettings.from_config(cfg), packed_sequences=True)
+    micro = trim_padding(batch)
+    totals = LossTotals.of(micro)  # as optimize takes them: from the minibatch on the host
+
+    def loss_and_gradient(on_device):
+        policy.zero_grad(set_to_none=True)
+        loss = weighted_loss(grpo_terms(policy, on_device, s, totals), s)
+        loss.backward()
+        return loss.detach(), [p.grad for p in policy.parameters()]
+
+    expected = loss_and_gradient(micro.to(cuda))  # also the first calls' one-off set-up (cuBLAS handles)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(GPU_BUSY_CYCLES)
+    busy = torch.cuda.Event()
+    busy.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, gradient = loss_and_gradient(micro_on_device(micro, cuda, packed=True))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert not busy.query(), "the micro-batch waited for the GPU"
+    torch.testing.assert_close(loss, expected[0])
+    for got, want in zip(gradient, expected[1], strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_reference_scoring_in_micro_batches_equals_one_pass(setup):

@@ -88,6 +88,9 @@ def validate_config(cfg) -> None:
          f"{t.gradient_accumulation_steps} must divide train.optim_batch_size={t.optim_batch_size}.")
     need(t.micro_batch_tokens is None or (type(t.micro_batch_tokens) is int and t.micro_batch_tokens >= 1),
          f"train.micro_batch_tokens={t.micro_batch_tokens!r} must be a whole number >= 1 (e.g. 16384) or null.")
+    ref_tokens = cfg.ref_model.micro_batch_tokens
+    need(ref_tokens is None or (type(ref_tokens) is int and ref_tokens >= 1), f"ref_model.micro_batch_tokens="
+         f"{ref_tokens!r} must be a whole number >= 1 (e.g. 131072) or null (training's micro-batches).")
     need(type(t.total_steps) is int and t.total_steps >= 0, f"train.total_steps={t.total_steps!r} must be a whole "
          "number >= 0 (0 = evaluate only: model.name, or resume='s checkpoint).")
     need(isinstance(cfg.resume_allow_changes, bool), f"resume_allow_changes={cfg.resume_allow_changes!r} must be true or "

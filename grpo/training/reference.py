@@ -16,6 +16,9 @@ collection 0.16 s slower): it got the GIL only between the collection's own Pyth
 
 from __future__ import annotations
 
+import sys
+from dataclasses import replace
+
 import torch
 from tensordict import TensorDict
 
@@ -30,7 +33,10 @@ class ReferenceScores:
 
     def __init__(self, scorer: ReplyLogProbs, settings, *, pad_token_id: int, stop_token_ids: list[int],
                  world: World = World()):
-        self.scorer, self.s, self.world = scorer, settings, world
+        self.scorer, self.world = scorer, world
+        # without grad a forward keeps no activations: ref_model.micro_batch_tokens cuts by tokens alone, if set
+        self.s = settings if settings.ref_micro_batch_tokens is None else replace(
+            settings, micro_batch_size=sys.maxsize, micro_batch_tokens=settings.ref_micro_batch_tokens)
         self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
         self.early: list[tuple] = []  # each sampled batch's row keys, reply lengths and queued scores
 

@@ -39,7 +39,7 @@ from grpo.process.errors import NonFiniteError
 from grpo.process.world import World, full, set_gradient_sync
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batch_rows, rollout_metrics, to_training_batch, trim_padding
-from grpo.training.logprobs import ReplyLogProbs, score_replies
+from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
 from grpo.training.reference import ReferenceScores
 
 
@@ -64,6 +64,7 @@ class GRPOSettings:
     micro_batch_size: int             # at most this many replies in one forward/backward
     micro_batch_tokens: int | None    # and at most this many tokens: padded (rows x width), or real if packed
     packed_sequences: bool            # the model reads each micro-batch's real tokens end to end, no pads
+    ref_micro_batch_tokens: int | None  # the reference's cut, by tokens alone (it keeps no activations); None: training's
     clip_grad_norm: float
     mixed_precision: bool             # bf16 autocast for float32 weights on a GPU
     gradient_checkpointing: bool      # needs train mode while optimising
@@ -80,7 +81,7 @@ class GRPOSettings:
             overlong_penalty=cfg.reward.overlong_penalty,
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
             loss_variant=t.loss_variant, max_new_tokens=cfg.inference_model.max_new_tokens,
-            temperature=cfg.inference_model.temperature,
+            temperature=cfg.inference_model.temperature, ref_micro_batch_tokens=cfg.ref_model.micro_batch_tokens,
             inference_is_cap=t.inference_is_cap, epochs=t.epochs, optim_batch_size=t.optim_batch_size,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
             micro_batch_tokens=t.micro_batch_tokens, packed_sequences=t.packed_sequences,
@@ -175,9 +176,8 @@ class GRPOStep:
                                             s.micro_batch_tokens and s.micro_batch_tokens * world.size, world.size,
                                             packed=s.packed_sequences)
                     for i, rows in enumerate(cuts):
-                        micro = trim_padding(minibatch[world.share(rows)])
-                        if device.type != "cpu":
-                            micro = micro.to(device, non_blocking=True)
+                        micro = micro_on_device(trim_padding(minibatch[world.share(rows)]), device,
+                                                s.packed_sequences)
                         set_gradient_sync(self.policy, i == len(cuts) - 1)  # one gradient sync per minibatch
                         with autocast_if(s.mixed_precision, self.policy):
                             terms = grpo_terms(self.policy, micro, s, totals)
