@@ -238,3 +238,38 @@ def test_an_inference_copy_runs_fused_projections_that_weight_pushes_reach(tiny,
         moved.load_state_dict(pushed)
         torch.testing.assert_close(copy(ids, attention_mask=mask).logits, moved(ids, attention_mask=mask).logits,
                                    atol=1e-5, rtol=1e-5)
+
+
+def test_a_policy_that_trains_samples_through_fused_copies_that_its_updates_reach(tiny_model_dir):
+    """The policy an engine shares (``fuse_shared``): while it samples, its q/k/v and gate/up run as one GEMM each,
+    from copies refreshed at each call, so an update in between reaches them; it samples what an unfused sampler of
+    the same weights samples; outside sampling the projections are its own linears again, which gradients reach."""
+    tok = load_tokenizer(tiny_model_dir)
+    load = lambda: load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cpu")).eval()  # noqa: E731
+    policy, twin = load(), load()
+    fused = ReplySampler(policy, compile=False, cache_bucket=64, compact_rows=False)
+    plain = ReplySampler(twin, compile=False, cache_bucket=64, compact_rows=False, fuse_shared=False)
+    q_proj = policy.model.layers[0].self_attn.q_proj
+    seen = []
+    fused.on_sampled = lambda prompts, replies: seen.append(type(policy.model.layers[0].self_attn.q_proj).__name__)
+    ids, mask = prompts(tok)
+    outputs = []
+    for update in range(2):
+        if update:  # an optimiser step on both, between two calls
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for (_, a), (_, b) in zip(policy.named_parameters(), twin.named_parameters(), strict=True):
+                    noise = 0.05 * torch.randn(a.shape, generator=g)
+                    a.add_(noise)
+                    b.add_(noise)
+        runs = []
+        for sampler in (fused, plain):
+            torch.manual_seed(0)
+            runs.append(sampler.generate(ids, mask, **options(tok, policy)))
+        torch.testing.assert_close(runs[0]["sequences"], runs[1]["sequences"], rtol=0, atol=0)
+        torch.testing.assert_close(runs[0]["logits"], runs[1]["logits"], atol=1e-5, rtol=1e-5)
+        outputs.append(runs[0]["logits"])
+    assert seen == ["ProjectionOfShared"] * 2 and policy.model.layers[0].self_attn.q_proj is q_proj
+    assert not torch.allclose(outputs[0], outputs[1])  # the update reached the fused copies
+    policy(ids, attention_mask=mask).logits.sum().backward()
+    assert q_proj.weight.grad is not None and q_proj.weight.grad.abs().sum() > 0

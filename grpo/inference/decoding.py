@@ -10,8 +10,8 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
   ``cache_bucket`` tokens so the compiled step is reused across batches;
 - reads each K/V head once for its group of query heads when decoding, and on a GPU in half precision only each
   reply's filled cache slots (``grpo.training.attention``);
-- in an inference copy, runs each layer's q/k/v and gate/up projections as one GEMM each
-  (``grpo.inference.fused_projections``: 23.8% -> 25.8% of the bound at 1.5B x 128 on an H100);
+- runs each layer's q/k/v and gate/up projections as one GEMM each (``grpo.inference.fused_projections``: 23.8% ->
+  25.8% of the bound at 1.5B x 128 on an H100), in a policy it shares (``fuse_shared``) from copies while it samples;
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores),
   drawing the token in two stages (``grpo.inference.sampling``: random numbers for one vocabulary chunk a row);
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
@@ -22,6 +22,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 
@@ -29,7 +30,7 @@ import torch
 from transformers import StaticCache
 from transformers.cache_utils import StaticLayer
 
-from grpo.inference.fused_projections import fuse_projections
+from grpo.inference.fused_projections import FusedWhileSampling, fuse_projections
 from grpo.inference.sampling import sample_tokens
 from grpo.training.attention import use_project_attention
 
@@ -175,12 +176,14 @@ class ReplySampler(torch.nn.Module):
 
     ``compact_rows``: when the rows still decoding fit in half the batch, they move to a batch half the size
     (``compacted_size``), with their KV cache; each size has its own cache and step, built once and kept.
+    ``fuse_shared``: a model that trains too samples through fused copies (``FusedWhileSampling``).
 
     ``filled_slots``: on a GPU in half precision, decode attention reads each reply's filled cache slots only
     (FlashAttention's kernel); elsewhere, and when off, every slot of the cache under the attention mask.
     """
 
-    def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool, filled_slots: bool = True):
+    def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool, filled_slots: bool = True,
+                 fuse_shared: bool = True):
         super().__init__()
         self.model = model
         self.cache_bucket = cache_bucket
@@ -192,8 +195,10 @@ class ReplySampler(torch.nn.Module):
         self.on_sampled = None
         self.cache_name = cache_argument(model)
         use_project_attention(model)
-        if not any(p.requires_grad for p in model.parameters()):  # an inference copy, never trained
+        trained = any(p.requires_grad for p in model.parameters())
+        if not trained:  # an inference copy
             fuse_projections(model)
+        self.fusion = FusedWhileSampling(model) if trained and fuse_shared else None  # the policy itself
         param = next(model.parameters())
         self.graphed = compile and param.device.type == "cuda"
         half = param.device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
@@ -256,7 +261,11 @@ class ReplySampler(torch.nn.Module):
         return replay
 
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
+    def generate(self, *args, **kwargs):
+        with self.fusion.swapped_in() if self.fusion else contextlib.nullcontext():
+            return self.sample(*args, **kwargs)
+
+    def sample(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
                  do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, **torchrl_options):
         unknown = set(torchrl_options) - TORCHRL_GENERATE_OPTIONS
         if unknown or torchrl_options.get("num_return_sequences", 1) != 1:

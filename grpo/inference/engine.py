@@ -48,7 +48,8 @@ class TransformersInference:
             self.model = load_causal_lm(s.model_name, tokenizer, dtype=dtype, device=device)
             self.model.eval().requires_grad_(False)
         self.sampler = sampler = ReplySampler(self.model, compile=s.compile, cache_bucket=s.cache_bucket,
-                                              compact_rows=s.compact_rows, filled_slots=s.filled_slots)
+                                              compact_rows=s.compact_rows, filled_slots=s.filled_slots,
+                                              fuse_shared=s.fuse_shared)
         self.policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
             s, tokenizer, greedy=False, max_new_tokens=s.max_new_tokens, stop_ids=stop_ids))
         self.greedy_policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(

@@ -38,6 +38,7 @@ class EngineSettings:
     cache_bucket: int             # transformers: KV-cache length rounded up to this
     compact_rows: bool            # transformers: rows whose reply ended leave the decode batch
     filled_slots: bool            # transformers, GPU, half precision: decode attention reads filled cache slots only
+    fuse_shared: bool             # transformers: a policy it shares samples through fused q/k/v and gate/up copies
     max_model_len: int            # vLLM: prompt + reply
     gpu_memory_utilization: float  # vLLM
     enforce_eager: bool           # vLLM: no CUDA graphs
@@ -51,7 +52,7 @@ class EngineSettings:
         return cls(model_name=cfg.model.name, backend=im.backend, dtype=im.dtype, max_new_tokens=im.max_new_tokens,
                    eval_max_new_tokens=cfg.eval.max_new_tokens, temperature=im.temperature, top_p=im.top_p,
                    top_k=im.top_k, compile=im.compile, cache_bucket=im.cache_bucket, compact_rows=im.compact_rows,
-                   filled_slots=im.filled_slots,
+                   filled_slots=im.filled_slots, fuse_shared=im.fuse_shared,
                    max_model_len=im.max_model_len, gpu_memory_utilization=im.gpu_memory_utilization,
                    enforce_eager=im.enforce_eager,
                    cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, vllm_log_level=im.vllm_log_level, seed=cfg.seed)
