@@ -24,8 +24,10 @@ def reference(tiny_model_dir):
     resolve_local_paths(cfg)
     model = load_causal_lm(cfg.model.name, load_tokenizer(cfg.model.name), dtype=torch.float32,
                            device=torch.device("cpu")).eval().requires_grad_(False)
-    # micro-batches of 3 rows: the early batch and the step's batch are cut differently
-    settings = dataclasses.replace(GRPOSettings.from_config(cfg), micro_batch_size=3, micro_batch_tokens=None)
+    # micro-batches of 3 rows (training's, not a token budget of the reference's own): the early batch and the
+    # step's batch are cut differently
+    settings = dataclasses.replace(GRPOSettings.from_config(cfg), micro_batch_size=3, micro_batch_tokens=None,
+                                   ref_micro_batch_tokens=None)
     return lambda: ReferenceScores(ReplyLogProbs(model), settings, pad_token_id=PAD, stop_token_ids=[PAD, EOS])
 
 
