@@ -266,7 +266,7 @@ class ReplySampler(torch.nn.Module):
             return self.sample(*args, **kwargs)
 
     def sample(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
-                 do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, **torchrl_options):
+               do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, **torchrl_options):
         unknown = set(torchrl_options) - TORCHRL_GENERATE_OPTIONS
         if unknown or torchrl_options.get("num_return_sequences", 1) != 1:
             raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
