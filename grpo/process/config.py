@@ -20,6 +20,10 @@ def validate_config(cfg) -> None:
         if not ok:
             raise ConfigError(message)
 
+    def whole_or_null(key: str, rest: str) -> None:  # a count >= 1, or null for the default that ``rest`` names
+        value = OmegaConf.select(cfg, key)
+        need(value is None or type(value) is int and value >= 1, f"{key}={value!r} must be a whole number >= 1 {rest}")
+
     need(cfg.env.task in TASKS, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASKS)}.")
     # counts first: the divisibility checks below would divide by them
     for key in ("env.num_envs", "train.dialog_turns_per_batch", "train.optim_batch_size",
@@ -41,9 +45,8 @@ def validate_config(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         need(value is None or isinstance(value, (int, float)) and not isinstance(value, bool),
              f"{key}={value!r} must be a number or null.")
-    threads = cfg.gpu_run_threads
-    need(threads is None or type(threads) is int and threads >= 1, f"gpu_run_threads={threads!r} must be a whole "
-         "number >= 1 (CPU threads of each process of a GPU run), or null for torch's default (one per core).")
+    whole_or_null("gpu_run_threads", "(CPU threads of each process of a GPU run), or null for torch's default (one per "
+                  "core).")
     need(isinstance(cfg.seed, int) and cfg.seed >= 0, f"seed={cfg.seed!r} must be a whole number >= 0 (numpy "
          "refuses negative seeds); e.g. seed=0.")
     o, im = cfg.optimizer, cfg.inference_model
@@ -86,11 +89,8 @@ def validate_config(cfg) -> None:
          f"train.dialog_turns_per_batch={t.dialog_turns_per_batch}.")
     need(t.optim_batch_size % t.gradient_accumulation_steps == 0, f"train.gradient_accumulation_steps="
          f"{t.gradient_accumulation_steps} must divide train.optim_batch_size={t.optim_batch_size}.")
-    need(t.micro_batch_tokens is None or (type(t.micro_batch_tokens) is int and t.micro_batch_tokens >= 1),
-         f"train.micro_batch_tokens={t.micro_batch_tokens!r} must be a whole number >= 1 (e.g. 16384) or null.")
-    ref_tokens = cfg.ref_model.micro_batch_tokens
-    need(ref_tokens is None or (type(ref_tokens) is int and ref_tokens >= 1), f"ref_model.micro_batch_tokens="
-         f"{ref_tokens!r} must be a whole number >= 1 (e.g. 131072) or null (training's micro-batches).")
+    whole_or_null("train.micro_batch_tokens", "(e.g. 16384) or null.")
+    whole_or_null("ref_model.micro_batch_tokens", "(e.g. 131072) or null (training's micro-batches).")
     need(type(t.total_steps) is int and t.total_steps >= 0, f"train.total_steps={t.total_steps!r} must be a whole "
          "number >= 0 (0 = evaluate only: model.name, or resume='s checkpoint).")
     need(isinstance(cfg.resume_allow_changes, bool), f"resume_allow_changes={cfg.resume_allow_changes!r} must be true or "
