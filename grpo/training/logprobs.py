@@ -141,11 +141,11 @@ def queued_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def micro_on_device(micro: TensorDict, device: torch.device, packed: bool) -> TensorDict:
     """A micro-batch's fields on ``device``, each copy queued without the host waiting (``queued_copy``). Packed rows
-    keep their attention mask on the host as well: ``packed_reply_states`` lays them out there, where a mask on the
-    GPU made the host wait for every queued kernel before each micro-batch (its count of real tokens)."""
+    keep their attention mask on the host, not copied: ``packed_reply_states`` lays them out there, where a mask on
+    the GPU made the host wait for every queued kernel before each micro-batch (its count of real tokens)."""
     if device.type == "cpu":
         return micro
-    on_device = micro.apply(lambda tensor: queued_copy(tensor, device))
+    on_device = (micro.exclude("attention_mask") if packed else micro).apply(lambda tensor: queued_copy(tensor, device))
     if packed:
         on_device["attention_mask"] = micro["attention_mask"]
     return on_device
