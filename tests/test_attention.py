@@ -57,12 +57,13 @@ def test_packed_rows_without_their_bounds_are_refused():
         attention(sdpa_module(2, 2), query, key, value, placeholder)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's kernel needs a GPU")
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel needs a GPU")
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
 def test_filled_slot_attention_is_the_dense_attention_under_the_mask(head_dim):
     """bf16 on a GPU: reading each reply's span of filled slots gives what the dense decode attention gives over
     the whole cache under the mask (left padding, slots not written yet), also through an inference-mode
-    reply with no padding and one whose span is a single slot."""
+    reply with no padding and one whose span is a single slot; whole or split over programs (a split of the
+    1-slot span left with no keys), and at a head size that is no power of two."""
     torch.manual_seed(0)
     batch, q_heads, kv_heads, slots = 5, 14, 2, 96
     cuda = dict(device="cuda", dtype=torch.bfloat16)
@@ -72,10 +73,18 @@ def test_filled_slot_attention_is_the_dense_attention_under_the_mask(head_dim):
     position = torch.arange(slots)
     mask = ((position >= first[:, None]) & (position <= last[:, None]))[:, None, None].cuda()
     starts = (torch.arange(batch * kv_heads).view(batch, kv_heads) * slots + first[:, None]).flatten()
-    starts = torch.cat([starts, torch.tensor([batch * kv_heads * slots])]).int().cuda()
+    starts = starts.int().cuda()
     lengths = (last - first + 1).repeat_interleave(kv_heads).int().cuda()
-    query_starts = torch.arange(0, batch * q_heads + 1, q_heads // kv_heads, dtype=torch.int32, device="cuda")
-    ours, _ = filled_slots_attention(query, key, value, query_starts, starts, lengths, scaling=head_dim ** -0.5)
+    ours, _ = filled_slots_attention(query, key, value, starts, lengths, scaling=head_dim ** -0.5)
     dense, _ = decode_attention(query, key, value, mask, scaling=head_dim ** -0.5)
     assert ours.shape == dense.shape == (batch, 1, q_heads, head_dim)
     torch.testing.assert_close(ours.float(), dense.float(), atol=2e-2, rtol=2e-2)
+    from grpo.training import filled_slots_kernel  # imports Triton: GPU machines only
+
+    flat = query.reshape(batch * q_heads, head_dim)
+    for splits in (1, 3, 8):
+        split = filled_slots_kernel.filled_slots_attention(flat, key.view(-1, head_dim), value.view(-1, head_dim),
+                                                           starts, lengths, q_heads // kv_heads, head_dim ** -0.5,
+                                                           splits)
+        torch.testing.assert_close(split.view(batch, 1, q_heads, head_dim).float(), dense.float(), atol=2e-2,
+                                   rtol=2e-2)

@@ -167,19 +167,17 @@ def test_filled_slot_bounds_are_the_attention_masks_slots_also_after_compaction(
     assert len(sampler._steps) >= 2 and q_heads > kv_heads > 1
     for buf, _ in sampler._steps.values():
         buf.mask.index_fill_(1, buf.slot, 1)  # as a step does before its forward
-        bounds = filled_slot_bounds(buf, q_heads, kv_heads)
+        bounds = filled_slot_bounds(buf, kv_heads)
         starts, lengths = bounds["filled_kv_starts"].long(), bounds["filled_kv_lengths"].long()
         batch, slots = buf.mask.shape
         read = torch.zeros(batch * kv_heads * slots, dtype=torch.bool)
-        for start, length in zip(starts[:-1].tolist(), lengths.tolist()):
+        for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
             read[start:start + length] = True
         assert torch.equal(read, buf.mask.bool()[:, None].expand(batch, kv_heads, slots).flatten())
-        assert starts[-1] == batch * kv_heads * slots and bounds["filled_kv_starts"].dtype == torch.int32
-        # each pair's query heads: transformers' grouping, query head i reads KV head i // (q_heads // kv_heads)
-        assert torch.equal(bounds["filled_query_starts"].long(), torch.arange(batch * kv_heads + 1) * (q_heads // kv_heads))
+        assert bounds["filled_kv_starts"].dtype == bounds["filled_kv_lengths"].dtype == torch.int32
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's kernel needs a GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the filled-slot kernel needs a GPU")
 def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainers_log_probs(tiny_model_dir):
     """bf16 on a GPU: the filled-slot attention's replies carry the teacher-forced log-probs as closely as the
     dense attention's, sampled and greedy (greedy replies may part where bf16 flips a near-tie); prompts that are
@@ -191,7 +189,7 @@ def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainer
     gaps = {}
     for filled in (True, False):
         sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True, filled_slots=filled)
-        assert (sampler.heads is not None) == filled
+        assert (sampler.kv_heads is not None) == filled
         for do_sample in (True, False):
             torch.manual_seed(0)
             out = sampler.generate(ids, mask, **options(tok, model, do_sample=do_sample, **extra))

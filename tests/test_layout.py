@@ -1,5 +1,6 @@
 """The package's shape: a folder per concern, every module readable in one sitting, none importing in a cycle."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODULES = sorted(p for p in (REPO / "grpo").rglob("*.py") if p.name not in ("grpo.py", "grpo-async.py"))
 LONG_TABLES = {"ifeval_checks.py"}  # the 25 IFEval instruction checkers, one table
+# modules of GPU kernels: Triton comes with torch's CUDA wheels only
+NEEDS_TRITON = {"grpo.training.filled_slots_kernel"} if importlib.util.find_spec("triton") is None else set()
 
 
 def test_every_module_reads_in_one_sitting():
@@ -18,6 +21,7 @@ def test_every_module_reads_in_one_sitting():
 def test_every_module_imports_alone_first():
     """Each module imported first, in a fresh interpreter: a circular import fails whichever side is first."""
     names = [".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in MODULES]
+    names = [name for name in names if name not in NEEDS_TRITON]
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n    " \
            "[sys.modules.pop(m) for m in list(sys.modules) if m.startswith('grpo')]\n"
     proc = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, capture_output=True, text=True, timeout=600)

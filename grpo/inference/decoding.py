@@ -9,7 +9,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 - sizes the KV cache to the batch's need (longest prompt + ``max_new_tokens``), rounded up to
   ``cache_bucket`` tokens so the compiled step is reused across batches;
 - reads each K/V head once for its group of query heads when decoding, and on a GPU in half precision only each
-  reply's filled cache slots (``grpo.training.attention``);
+  reply's filled cache slots (``grpo.training.filled_slots_kernel``);
 - runs each layer's q/k/v and gate/up projections as one GEMM each (``grpo.inference.fused_projections``: 23.8% ->
   25.8% of the bound at 1.5B x 128 on an H100), in a policy it shares (``fuse_shared``) from copies while it samples;
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores),
@@ -135,27 +135,23 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def filled_slot_bounds(buf: DecodeBuffers, q_heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+def filled_slot_bounds(buf: DecodeBuffers, kv_heads: int) -> dict[str, torch.Tensor]:
     """Where each (reply, KV head) pair's filled slots lie in a ``[B, kv_heads, S, D]`` cache read flat, the
     slot being written this step included (``grpo.training.attention.filled_slots_attention``): from its first
-    slot after the prompt's left padding, up to and including ``buf.slot``; and where each pair's query heads
-    start among the ``B * q_heads`` (once a step: per layer, that arange was 28 of a 1.5B step's kernels)."""
+    slot after the prompt's left padding, up to and including ``buf.slot``. Once a step, not per layer."""
     batch, slots = buf.mask.shape
-    group = q_heads // kv_heads
     pairs = torch.arange(batch * kv_heads, device=buf.mask.device).view(batch, kv_heads)
     starts = (pairs * slots + buf.first_slot[:, None]).flatten()
-    starts = torch.cat([starts, starts.new_full((1,), batch * kv_heads * slots)])
     lengths = (buf.slot + 1 - buf.first_slot).repeat_interleave(kv_heads)
-    queries = torch.arange(0, batch * q_heads + 1, group, dtype=torch.int32, device=buf.mask.device)
-    return {"filled_query_starts": queries, "filled_kv_starts": starts.int(), "filled_kv_lengths": lengths.int()}
+    return {"filled_kv_starts": starts.int(), "filled_kv_lengths": lengths.int()}
 
 
 def decode_step(model, cache, cache_name: str, buf: DecodeBuffers, pad_token_id: int, sampling: dict,
-                heads: tuple[int, int] | None = None) -> None:
-    """Feed the last token, sample the next: one replayable step, no host synchronisation. ``heads`` (query, KV):
-    the attention reads only the filled slots (``filled_slot_bounds``); None: every slot under the mask."""
+                kv_heads: int | None = None) -> None:
+    """Feed the last token, sample the next: one replayable step, no host synchronisation. ``kv_heads``: the
+    attention reads only the filled slots (``filled_slot_bounds``); None: every slot under the mask."""
     buf.mask.index_fill_(1, buf.slot, 1)
-    filled = filled_slot_bounds(buf, *heads) if heads else {}
+    filled = filled_slot_bounds(buf, kv_heads) if kv_heads else {}
     logits = model(input_ids=buf.last_token[:, None], position_ids=buf.position, cache_position=buf.slot,
                    attention_mask=buf.mask, use_cache=True, logits_to_keep=1, **{cache_name: cache},
                    **filled).logits[:, -1]
@@ -179,7 +175,7 @@ class ReplySampler(torch.nn.Module):
     ``fuse_shared``: a model that trains too samples through fused copies (``FusedWhileSampling``).
 
     ``filled_slots``: on a GPU in half precision, decode attention reads each reply's filled cache slots only
-    (FlashAttention's kernel); elsewhere, and when off, every slot of the cache under the attention mask.
+    (a Triton kernel); elsewhere, and when off, every slot of the cache under the attention mask.
     """
 
     def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool, filled_slots: bool = True,
@@ -204,7 +200,7 @@ class ReplySampler(torch.nn.Module):
         half = param.device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
         text = model.config.get_text_config()
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # no GQA: one per head
-        self.heads = (text.num_attention_heads, kv_heads) if filled_slots and half else None
+        self.kv_heads = kv_heads if filled_slots and half else None
         # per batch size: (slots, cache); it only grows, since its graphs are bound to its tensors
         self._caches: dict[int, tuple[int, StaticCache]] = {}
         self._steps: dict[tuple, tuple[DecodeBuffers, callable]] = {}
@@ -223,7 +219,7 @@ class ReplySampler(torch.nn.Module):
         if key in self._steps:
             return self._steps[key]
         buf = DecodeBuffers(batch, slots, max_new_tokens, stop_ids, cache.slot)
-        args = (self.model, cache, self.cache_name, buf, pad_token_id, sampling, self.heads)
+        args = (self.model, cache, self.cache_name, buf, pad_token_id, sampling, self.kv_heads)
         step = lambda: decode_step(*args)  # noqa: E731
         # building samples tokens it throws away: the run's random stream must not depend on when it happens
         # (a resumed run builds at another step than an uninterrupted one)
@@ -284,7 +280,7 @@ class ReplySampler(torch.nn.Module):
         buf.mask.zero_()
         buf.mask[:, :prompt_len] = attention_mask
         # the filled slots are read as one span a reply, from its first prompt token on
-        if self.heads and not bool((attention_mask.long().diff(dim=-1) >= 0).all()):
+        if self.kv_heads and not bool((attention_mask.long().diff(dim=-1) >= 0).all()):
             raise ValueError("ReplySampler.generate: the prompts are not left-padded (an attention mask's 0s must all "
                              "come before its 1s); set inference_model.filled_slots=false to attend under any mask")
         buf.first_slot.copy_(prompt_len - attention_mask.sum(-1))

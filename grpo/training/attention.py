@@ -30,8 +30,8 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     if "packed_cu_seqlens" in kwargs:
         return packed_attention(query, key, value, kwargs["packed_cu_seqlens"], kwargs["packed_max_length"], scaling)
     if "filled_kv_starts" in kwargs:
-        return filled_slots_attention(query, key, value, kwargs["filled_query_starts"], kwargs["filled_kv_starts"],
-                                      kwargs["filled_kv_lengths"], scaling)
+        return filled_slots_attention(query, key, value, kwargs["filled_kv_starts"], kwargs["filled_kv_lengths"],
+                                      scaling)
     placeholder = attention_mask is not None and tuple(attention_mask.shape) == PACKED_PLACEHOLDER_MASK_SHAPE
     if placeholder and query.shape[2] > 1:
         # packed rows whose bounds did not get here: SDPA would let every row attend to the rows before it
@@ -60,23 +60,19 @@ def decode_attention(query, key, value, attention_mask, scaling=None):
     return out.reshape(batch, q_heads, 1, head_dim).transpose(1, 2), None
 
 
-def filled_slots_attention(query, key, value, query_starts, kv_starts, kv_lengths, scaling=None):
+def filled_slots_attention(query, key, value, kv_starts, kv_lengths, scaling=None):
     """One-token queries ``[B, Hq, 1, D]`` against a KV cache ``[B, Hkv, S, D]``, reading only each reply's filled
-    slots: FlashAttention's variable-length kernel, with each (reply, KV head) pair one sequence whose queries
-    are that group's query heads, from ``query_starts[j]`` on among the ``B * Hq``. Returns ``[B, 1, Hq, D]``.
+    slots (``grpo.training.filled_slots_kernel``): each (reply, KV head) pair attends with its group's query heads
+    to ``kv_lengths[j]`` tokens from ``kv_starts[j]`` on in the cache read flat, ``[B * Hkv * S]`` tokens of one
+    head (``grpo.inference.decoding.filled_slot_bounds``), which skips its prompt's left padding and the slots not
+    written yet. The dense path read every slot, filled or not, through two batched GEMMs: about 1 ms of a 1.5B x
+    128 decode step's 4 ms on an H100 (benchmarks/README.md). Returns ``[B, 1, Hq, D]``."""
+    from grpo.training.filled_slots_kernel import filled_slots_attention as attend  # imports Triton: GPUs only
 
-    The cache is read flat, ``[B * Hkv * S]`` tokens of one head, so it is used in place: pair ``j`` (reply
-    ``j // Hkv``) reads ``kv_lengths[j]`` tokens from ``kv_starts[j]`` on (``grpo.inference.decoding.
-    filled_slot_bounds``), which skips its prompt's left padding and the slots not written yet. The dense
-    path read every slot, filled or not, through two batched GEMMs: about 1 ms of a 1.5B x 128 decode step's
-    4 ms on an H100 (benchmarks/README.md). ``torch.nn.attention.varlen.varlen_attn`` takes no per-sequence
-    lengths in torch 2.11 (the GPU machines'), so the ATen op is called as it does."""
     batch, q_heads, _, head_dim = query.shape
-    kv_heads, slots = key.shape[1], key.shape[2]
-    group = q_heads // kv_heads  # transformers' grouping: query head i reads KV head i // group
-    out = torch.ops.aten._flash_attention_forward(
-        query.reshape(batch * q_heads, 1, head_dim), key.view(-1, 1, head_dim), value.view(-1, 1, head_dim),
-        query_starts, kv_starts, group, slots, 0.0, False, False, scale=scaling, seqused_k=kv_lengths)[0]
+    scaling = head_dim ** -0.5 if scaling is None else scaling
+    out = attend(query.reshape(batch * q_heads, head_dim).contiguous(), key.view(-1, head_dim),
+                 value.view(-1, head_dim), kv_starts, kv_lengths, q_heads // key.shape[1], scaling)
     return out.view(batch, q_heads, 1, head_dim).transpose(1, 2), None
 
 
