@@ -88,3 +88,15 @@ def test_filled_slot_attention_is_the_dense_attention_under_the_mask(head_dim):
                                                            splits)
         torch.testing.assert_close(split.view(batch, 1, q_heads, head_dim).float(), dense.float(), atol=2e-2,
                                    rtol=2e-2)
+
+
+def test_the_filled_slot_kernel_launches_within_the_gpu():
+    """Its launch shape from the GPU's numbers: three key blocks in flight where they fit (an H100's 227 KB of shared
+    memory per program), fewer where they would not (a consumer card's 99 KB; head size 256 on an A100's 163 KB),
+    never none; keys split over more programs only when the pairs are too few for two per multiprocessor."""
+    kernel = pytest.importorskip("grpo.training.filled_slots_kernel", reason="Triton comes with CUDA builds of torch")
+    h100, a100, consumer = 232448, 166912, 101376
+    assert [kernel.stages_for(16, dim, h100) for dim in (64, 128, 256)] == [3, 3, 3]
+    assert [kernel.stages_for(16, 128, consumer), kernel.stages_for(16, 256, a100)] == [2, 2]
+    assert kernel.stages_for(16, 512, consumer) == 1
+    assert [kernel.splits_for(pairs, 132) for pairs in (256, 128, 64, 10)] == [1, 2, 4, 8]

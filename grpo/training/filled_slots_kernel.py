@@ -82,11 +82,18 @@ def combine_splits(out_ptr, part_ptr, stats_ptr, GROUP: tl.constexpr, GROUP_PAD:
         out_ptr.dtype.element_ty), mask=(heads < GROUP)[:, None] & (dims < D)[None, :])
 
 
-def splits_for(pairs: int, device: torch.device) -> int:
+def splits_for(pairs: int, processors: int) -> int:
     """Programs a pair's keys are split over: enough for two per multiprocessor (one at 128 replies x 2 KV heads on
     an H100's 132, which was the fastest there), at most ``MAX_SPLITS``."""
-    processors = torch.cuda.get_device_properties(device).multi_processor_count
     return max(1, min(MAX_SPLITS, 2 * processors // pairs))
+
+
+def stages_for(group_pad: int, dim_pad: int, shared_memory: int) -> int:
+    """Key blocks loaded ahead that fit a program's shared memory: each holds a block of K and one of V (Triton asked
+    for exactly its stages' tiles in the GEMMs tried), beside the queries. ``STAGES`` on an H100 or H200 (227 KB),
+    fewer on a GPU with less (a consumer card's ~99 KB at head size 128), where ``STAGES`` would not launch."""
+    per_stage = 2 * BLOCK_KEYS * dim_pad * 2
+    return max(1, min(STAGES, (shared_memory - 2 * group_pad * dim_pad * 2) // per_stage))
 
 
 # opaque to torch.compile (a custom op, not a ``triton_op`` that inductor traces into): it is one tuned kernel already,
@@ -98,14 +105,16 @@ def filled_slots_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     ``[tokens, D]``: the cache read flat, pair ``j`` attending to ``kv_lengths[j]`` tokens from ``kv_starts[j]``
     on. ``splits``: programs per pair (0: ``splits_for``'s choice). Returns ``[pairs * group, D]``."""
     pairs, head_dim = kv_lengths.shape[0], query.shape[1]
-    splits = splits or splits_for(pairs, query.device)
     group_pad, dim_pad = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
+    gpu = triton.runtime.driver.active.utils.get_device_properties(query.device.index)
+    splits = splits or splits_for(pairs, gpu["multiprocessor_count"])
     out = torch.empty_like(query)
     parts = query.new_empty((pairs * splits * group_pad, dim_pad) if splits > 1 else (0,), dtype=torch.float32)
     stats = query.new_empty((pairs * splits * group_pad * 2,) if splits > 1 else (0,), dtype=torch.float32)
     attend_filled_slots[(pairs, splits)](
         query, key, value, out, parts, stats, kv_starts, kv_lengths, scale, GROUP=group, GROUP_PAD=group_pad,
-        D=head_dim, D_PAD=dim_pad, BLOCK=BLOCK_KEYS, SPLITS=splits, num_warps=WARPS, num_stages=STAGES)
+        D=head_dim, D_PAD=dim_pad, BLOCK=BLOCK_KEYS, SPLITS=splits, num_warps=WARPS,
+        num_stages=stages_for(group_pad, dim_pad, gpu["max_shared_mem"]))
     if splits > 1:
         combine_splits[(pairs,)](out, parts, stats, GROUP=group, GROUP_PAD=group_pad, D=head_dim, D_PAD=dim_pad,
                                  SPLITS=splits, num_warps=4)
