@@ -111,13 +111,14 @@ def filled_slots_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     out = torch.empty_like(query)
     parts = query.new_empty((pairs * splits * group_pad, dim_pad) if splits > 1 else (0,), dtype=torch.float32)
     stats = query.new_empty((pairs * splits * group_pad * 2,) if splits > 1 else (0,), dtype=torch.float32)
-    attend_filled_slots[(pairs, splits)](
-        query, key, value, out, parts, stats, kv_starts, kv_lengths, scale, GROUP=group, GROUP_PAD=group_pad,
-        D=head_dim, D_PAD=dim_pad, BLOCK=BLOCK_KEYS, SPLITS=splits, num_warps=WARPS,
-        num_stages=stages_for(group_pad, dim_pad, gpu["max_shared_mem"]))
-    if splits > 1:
-        combine_splits[(pairs,)](out, parts, stats, GROUP=group, GROUP_PAD=group_pad, D=head_dim, D_PAD=dim_pad,
-                                 SPLITS=splits, num_warps=4)
+    with torch.cuda.device(query.device):  # Triton launches on the current device, an engine's may be another
+        attend_filled_slots[(pairs, splits)](
+            query, key, value, out, parts, stats, kv_starts, kv_lengths, scale, GROUP=group, GROUP_PAD=group_pad,
+            D=head_dim, D_PAD=dim_pad, BLOCK=BLOCK_KEYS, SPLITS=splits, num_warps=WARPS,
+            num_stages=stages_for(group_pad, dim_pad, gpu["max_shared_mem"]))
+        if splits > 1:
+            combine_splits[(pairs,)](out, parts, stats, GROUP=group, GROUP_PAD=group_pad, D=head_dim, D_PAD=dim_pad,
+                                     SPLITS=splits, num_warps=4)
     return out
 
 
