@@ -70,6 +70,31 @@ def test_sampled_log_probs_are_the_trainers_and_replies_stop_at_their_first_stop
     torch.testing.assert_close(log_probs[~after_stop], expected[~after_stop], atol=1e-4, rtol=1e-4)
 
 
+def test_a_prompt_the_batch_repeats_is_prefilled_once(tiny):
+    """A GRPO group's replies share a prompt: the prefill runs on each distinct prompt once and its cache rows serve
+    every reply that repeats it, in any order: greedy replies are each prompt's own, and sampled ones carry the
+    trainer's log-probs."""
+    tok, model, sampler = tiny
+    ids, mask = prompts(tok)
+    order = torch.tensor([2, 0, 2, 1, 3, 2, 0, 1, 3, 3, 0, 1, 2, 0, 1, 3])
+    forwards = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        greedy = sampler.generate(ids[order], mask[order], **options(tok, model, do_sample=False))["sequences"]
+    finally:
+        hook.remove()
+    prefills = [shape for shape in forwards if shape[1] > 1]  # the rest: one-token decode steps of the 16 rows
+    assert prefills == [(len(ids), ids.shape[1])] and set(forwards) - set(prefills) == {(len(order), 1)}
+    alone = sampler.generate(ids, mask, **options(tok, model, do_sample=False))["sequences"]
+    assert torch.equal(greedy, alone[order])
+    torch.manual_seed(0)
+    out = sampler.generate(ids[order], mask[order], **options(tok, model))
+    expected = teacher_forced_log_probs(model, out["sequences"], mask[order], tok.pad_token_id)
+    real = out["sequences"][:, ids.shape[1]:] != tok.pad_token_id
+    torch.testing.assert_close(out["logits"].T[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
 def test_kv_cache_is_sized_to_the_batch_and_only_grows(tiny):
     tok, model, _ = tiny
     sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)

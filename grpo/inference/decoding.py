@@ -14,6 +14,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
   25.8% of the bound at 1.5B x 128 on an H100), in a policy it shares (``fuse_shared``) from copies while it samples;
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores),
   drawing the token in two stages (``grpo.inference.sampling``: random numbers for one vocabulary chunk a row);
+- prefills a prompt the batch repeats (a GRPO group's) once, and copies its KV-cache rows (``grpo.inference.kv_cache``);
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
 - lets rows whose reply has ended leave the batch (``compact_rows``): the batch halves whenever the rows
   still decoding fit in half of it, so a long tail of replies no longer decodes the whole batch;
@@ -23,14 +24,13 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 from __future__ import annotations
 
 import contextlib
-import inspect
 import time
 
 import torch
 from transformers import StaticCache
-from transformers.cache_utils import StaticLayer
 
 from grpo.inference.fused_projections import FusedWhileSampling, fuse_projections
+from grpo.inference.kv_cache import cache_argument, copy_cache_rows, slot_cache
 from grpo.inference.sampling import sample_tokens
 from grpo.training.attention import use_project_attention
 
@@ -94,45 +94,7 @@ def move_rows(src: DecodeBuffers, src_cache: StaticCache, dst: DecodeBuffers, ds
     dst.done[active:] = True
     dst.step.copy_(src.step)
     dst.slot.copy_(src.slot)
-    for src_layer, dst_layer in zip(src_cache.layers, dst_cache.layers, strict=True):
-        dst_layer.keys[:, :, :slots] = src_layer.keys[rows, :, :slots]
-        dst_layer.values[:, :, :slots] = src_layer.values[rows, :, :slots]
-        dst_layer.cumulative_length.copy_(src_layer.cumulative_length)  # where a layer not at ``slot`` writes next
-
-
-class SlotLayer(StaticLayer):
-    """transformers' static cache layer, except that a one-token update is written at ``slot``, a tensor every layer
-    of the cache shares with the decode loop. The stock layer works the slot out from a counter of its own: an arange
-    and an add a layer and token, 56 of a 1.5B decode step's 418 kernels on an H100."""
-
-    slot: torch.Tensor
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if key_states.shape[-2] != 1 or not self.is_initialized:  # a prefill, or the tensors not allocated yet
-            return super().update(key_states, value_states, *args, **kwargs)
-        self.keys.index_copy_(2, self.slot, key_states)
-        self.values.index_copy_(2, self.slot, value_states)
-        return self.keys, self.values
-
-    def get_seq_length(self):
-        """The slot the next token goes to: where transformers (5.24) starts the query's causal mask."""
-        return self.slot[0] if self.is_initialized else 0
-
-
-def slot_cache(config, slots: int, device) -> StaticCache:
-    """A ``StaticCache`` of ``slots`` slots whose full-attention layers write one-token updates at ``cache.slot``."""
-    cache = StaticCache(config=config, max_cache_len=slots)
-    cache.slot = torch.zeros(1, dtype=torch.long, device=device)
-    for layer in cache.layers:
-        if type(layer) is StaticLayer:  # sliding-window layers keep their own bookkeeping
-            layer.__class__, layer.slot = SlotLayer, cache.slot
-    return cache
-
-
-def cache_argument(model) -> str:
-    """The name ``forward`` takes the KV cache under: transformers 5.24 renamed ``past_key_values`` to ``cache``
-    (the old name warns); the GPU machines run 5.17."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    copy_cache_rows(src_cache, dst_cache, rows, slots)
 
 
 def filled_slot_bounds(buf: DecodeBuffers, kv_heads: int) -> dict[str, torch.Tensor]:
@@ -275,8 +237,6 @@ class ReplySampler(torch.nn.Module):
         slots, cache = self.kv_cache(batch, prompt_len + max_new_tokens)
         buf, step = self.decode_step_for(batch, slots, cache, max_new_tokens, list(eos_token_id), pad_token_id,
                                          sampling)
-        cache.reset()  # newer transformers write at the cache's own running length, not at cache_position
-        buf.slot.zero_()  # where a one-token prompt's prefill writes
         buf.mask.zero_()
         buf.mask[:, :prompt_len] = attention_mask
         # the filled slots are read as one span a reply, from its first prompt token on
@@ -291,12 +251,7 @@ class ReplySampler(torch.nn.Module):
         buf.tokens.fill_(pad_token_id)
         buf.log_probs.zero_()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        # prefill: eager, prompt widths vary. The last position by index, not ``logits_to_keep=1``: that slice is
-        # strided, and cuBLAS ran the LM head on it in 20 ms at 1.5B x 128 on an H100 (a decode step's takes 0.18 ms)
-        logits = self.model(input_ids=input_ids, position_ids=positions, attention_mask=buf.mask,
-                            cache_position=torch.arange(prompt_len, device=device), use_cache=True,
-                            logits_to_keep=torch.tensor([prompt_len - 1], device=device),
-                            **{self.cache_name: cache}).logits[:, -1]
+        logits = self.prefill(input_ids, positions, buf.mask, cache, slots)
         record(buf, *sample_tokens(logits, **sampling), pad_token_id)
         buf.position.copy_(positions[:, -1:] + 1)
         buf.slot.fill_(prompt_len)
@@ -331,6 +286,31 @@ class ReplySampler(torch.nn.Module):
             self.on_sampled([row[:prompt_len][mask] for row, mask in zip(sequences, prompt_mask)],
                             [reply[reply != pad_token_id] for reply in sequences[:, prompt_len:]])
         return out
+
+    def prefill(self, input_ids, positions, mask, cache, slots: int):
+        """Each prompt's last-position logits, its keys and values written to ``cache``. Eager: prompt widths vary.
+        A prompt the batch repeats (a GRPO group's replies all share one) runs once, into a cache of the distinct
+        prompts whose rows are then copied: 16 prompts x 8 replies prefill an eighth of the tokens."""
+        batch, prompt_len = input_ids.shape
+        distinct, copy_of = torch.unique(torch.cat([input_ids, mask[:, :prompt_len]], 1), dim=0, return_inverse=True)
+        repeated = len(distinct) < batch
+        rows = slice(None)
+        if repeated:  # a row of each distinct prompt
+            rows = copy_of.new_full((len(distinct),), batch).scatter_reduce_(
+                0, copy_of, torch.arange(batch, device=copy_of.device), "amin")
+        run_cache = self.kv_cache(len(distinct), slots)[1] if repeated else cache
+        run_cache.reset()  # newer transformers write at the cache's own running length, not at cache_position
+        run_cache.slot.zero_()  # where a one-token prompt's prefill writes, and the causal mask starts
+        # the last position by index, not ``logits_to_keep=1``: that slice is strided, and cuBLAS ran the LM head on
+        # it in 20 ms at 1.5B x 128 on an H100 (a decode step's takes 0.18 ms)
+        logits = self.model(input_ids=input_ids[rows], position_ids=positions[rows], attention_mask=mask[rows],
+                            cache_position=torch.arange(prompt_len, device=input_ids.device), use_cache=True,
+                            logits_to_keep=torch.tensor([prompt_len - 1], device=input_ids.device),
+                            **{self.cache_name: run_cache}).logits[:, -1]
+        if not repeated:
+            return logits
+        copy_cache_rows(run_cache, cache, copy_of, prompt_len)
+        return logits[copy_of]
 
     def compact(self, buf, cache, rows, size, max_new_tokens, stop_ids, pad_token_id, sampling):
         """The rows still decoding (of replies ``rows``; None: the whole batch's) moved to a batch of ``size``:
