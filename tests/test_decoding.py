@@ -73,10 +73,11 @@ def test_sampled_log_probs_are_the_trainers_and_replies_stop_at_their_first_stop
 def test_a_prompt_the_batch_repeats_is_prefilled_once(tiny):
     """A GRPO group's replies share a prompt: the prefill runs on each distinct prompt once and its cache rows serve
     every reply that repeats it, in any order: greedy replies are each prompt's own, and sampled ones carry the
-    trainer's log-probs."""
+    trainer's log-probs. The distinct prompts' cache is not kept: only decode batches' are."""
     tok, model, sampler = tiny
     ids, mask = prompts(tok)
     order = torch.tensor([2, 0, 2, 1, 3, 2, 0, 1, 3, 3, 0, 1, 2, 0, 1, 3])
+    kept = set(sampler._caches)
     forwards = []
     hook = model.register_forward_pre_hook(
         lambda module, args, kwargs: forwards.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
@@ -86,6 +87,7 @@ def test_a_prompt_the_batch_repeats_is_prefilled_once(tiny):
         hook.remove()
     prefills = [shape for shape in forwards if shape[1] > 1]  # the rest: one-token decode steps of the 16 rows
     assert prefills == [(len(ids), ids.shape[1])] and set(forwards) - set(prefills) == {(len(order), 1)}
+    assert set(sampler._caches) - kept <= {len(order)}
     alone = sampler.generate(ids, mask, **options(tok, model, do_sample=False))["sequences"]
     assert torch.equal(greedy, alone[order])
     torch.manual_seed(0)

@@ -251,7 +251,7 @@ class ReplySampler(torch.nn.Module):
         buf.tokens.fill_(pad_token_id)
         buf.log_probs.zero_()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        logits = self.prefill(input_ids, positions, buf.mask, cache, slots)
+        logits = self.prefill(input_ids, positions, buf.mask, cache)
         record(buf, *sample_tokens(logits, **sampling), pad_token_id)
         buf.position.copy_(positions[:, -1:] + 1)
         buf.slot.fill_(prompt_len)
@@ -287,18 +287,19 @@ class ReplySampler(torch.nn.Module):
                             [reply[reply != pad_token_id] for reply in sequences[:, prompt_len:]])
         return out
 
-    def prefill(self, input_ids, positions, mask, cache, slots: int):
+    def prefill(self, input_ids, positions, mask, cache):
         """Each prompt's last-position logits, its keys and values written to ``cache``. Eager: prompt widths vary.
         A prompt the batch repeats (a GRPO group's replies all share one) runs once, into a cache of the distinct
-        prompts whose rows are then copied: 16 prompts x 8 replies prefill an eighth of the tokens."""
+        prompts that lives for this call, whose rows are then copied: 16 prompts x 8 replies prefill an eighth of
+        the tokens."""
         batch, prompt_len = input_ids.shape
         distinct, copy_of = torch.unique(torch.cat([input_ids, mask[:, :prompt_len]], 1), dim=0, return_inverse=True)
         repeated = len(distinct) < batch
-        rows = slice(None)
+        rows, run_cache = slice(None), cache
         if repeated:  # a row of each distinct prompt
             rows = copy_of.new_full((len(distinct),), batch).scatter_reduce_(
                 0, copy_of, torch.arange(batch, device=copy_of.device), "amin")
-        run_cache = self.kv_cache(len(distinct), slots)[1] if repeated else cache
+            run_cache, mask = slot_cache(self.model.config, prompt_len, input_ids.device), mask[:, :prompt_len]
         run_cache.reset()  # newer transformers write at the cache's own running length, not at cache_position
         run_cache.slot.zero_()  # where a one-token prompt's prefill writes, and the causal mask starts
         # the last position by index, not ``logits_to_keep=1``: that slice is strided, and cuBLAS ran the LM head on
