@@ -10,6 +10,8 @@ with few pairs (a compacted batch) each pair's keys are split over several progr
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -96,6 +98,13 @@ def stages_for(group_pad: int, dim_pad: int, shared_memory: int) -> int:
     return max(1, min(STAGES, (shared_memory - 2 * group_pad * dim_pad * 2) // per_stage))
 
 
+@functools.cache
+def gpu_limits(index: int) -> tuple[int, int]:
+    """(multiprocessors, shared memory a program may use) of GPU ``index``: read once, not at every layer's call."""
+    properties = triton.runtime.driver.active.utils.get_device_properties(index)
+    return properties["multiprocessor_count"], properties["max_shared_mem"]
+
+
 # opaque to torch.compile (a custom op, not a ``triton_op`` that inductor traces into): it is one tuned kernel already,
 # with nothing around it to fuse
 @torch.library.custom_op("grpo::filled_slots_attention", mutates_args=())
@@ -106,8 +115,8 @@ def filled_slots_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     on. ``splits``: programs per pair (0: ``splits_for``'s choice). Returns ``[pairs * group, D]``."""
     pairs, head_dim = kv_lengths.shape[0], query.shape[1]
     group_pad, dim_pad = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
-    gpu = triton.runtime.driver.active.utils.get_device_properties(query.device.index)
-    splits = splits or splits_for(pairs, gpu["multiprocessor_count"])
+    processors, shared_memory = gpu_limits(query.device.index)
+    splits = splits or splits_for(pairs, processors)
     out = torch.empty_like(query)
     parts = query.new_empty((pairs * splits * group_pad, dim_pad) if splits > 1 else (0,), dtype=torch.float32)
     stats = query.new_empty((pairs * splits * group_pad * 2,) if splits > 1 else (0,), dtype=torch.float32)
@@ -115,7 +124,7 @@ def filled_slots_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         attend_filled_slots[(pairs, splits)](
             query, key, value, out, parts, stats, kv_starts, kv_lengths, scale, GROUP=group, GROUP_PAD=group_pad,
             D=head_dim, D_PAD=dim_pad, BLOCK=BLOCK_KEYS, SPLITS=splits, num_warps=WARPS,
-            num_stages=stages_for(group_pad, dim_pad, gpu["max_shared_mem"]))
+            num_stages=stages_for(group_pad, dim_pad, shared_memory))
         if splits > 1:
             combine_splits[(pairs,)](out, parts, stats, GROUP=group, GROUP_PAD=group_pad, D=head_dim, D_PAD=dim_pad,
                                      SPLITS=splits, num_warps=4)
