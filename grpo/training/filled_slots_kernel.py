@@ -25,7 +25,9 @@ MAX_SPLITS = 8
 @triton.jit
 def attend_filled_slots(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, starts_ptr, lengths_ptr, scale,
                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                        BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                        BLOCK: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # launched before the kernel that wrote the cache has finished: wait for it before any read
+        tl.extra.cuda.gdc_wait()
     pair, split = tl.program_id(0), tl.program_id(1)
     heads, dims = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD)
     dim_ok = dims < D
@@ -66,7 +68,9 @@ def attend_filled_slots(q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, stats_ptr, start
 
 @triton.jit
 def combine_splits(out_ptr, part_ptr, stats_ptr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                   D_PAD: tl.constexpr, SPLITS: tl.constexpr):
+                   D_PAD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pair = tl.program_id(0)
     heads, dims = tl.arange(0, GROUP_PAD), tl.arange(0, D_PAD)
     best = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -99,10 +103,14 @@ def stages_for(group_pad: int, dim_pad: int, shared_memory: int) -> int:
 
 
 @functools.cache
-def gpu_limits(index: int) -> tuple[int, int]:
-    """(multiprocessors, shared memory a program may use) of GPU ``index``: read once, not at every layer's call."""
+def gpu_limits(index: int) -> tuple[int, int, bool]:
+    """(multiprocessors, shared memory a program may use, whether it launches programmatically dependent) of GPU
+    ``index``: read once, not at every layer's call. Programmatic dependent launch (Hopper on): a kernel starts
+    while the one before it finishes and waits for its writes in the kernel, as the decode step's inductor kernels
+    do (``grpo.inference.decoding.DECODE_COMPILE_OPTIONS``)."""
     properties = triton.runtime.driver.active.utils.get_device_properties(index)
-    return properties["multiprocessor_count"], properties["max_shared_mem"]
+    dependent_launch = torch.cuda.get_device_capability(index)[0] >= 9
+    return properties["multiprocessor_count"], properties["max_shared_mem"], dependent_launch
 
 
 # opaque to torch.compile (a custom op, not a ``triton_op`` that inductor traces into): it is one tuned kernel already,
@@ -115,7 +123,7 @@ def filled_slots_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     on. ``splits``: programs per pair (0: ``splits_for``'s choice). Returns ``[pairs * group, D]``."""
     pairs, head_dim = kv_lengths.shape[0], query.shape[1]
     group_pad, dim_pad = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
-    processors, shared_memory = gpu_limits(query.device.index)
+    processors, shared_memory, pdl = gpu_limits(query.device.index)
     splits = splits or splits_for(pairs, processors)
     out = torch.empty_like(query)
     parts = query.new_empty((pairs * splits * group_pad, dim_pad) if splits > 1 else (0,), dtype=torch.float32)
@@ -123,11 +131,11 @@ def filled_slots_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     with torch.cuda.device(query.device):  # Triton launches on the current device, an engine's may be another
         attend_filled_slots[(pairs, splits)](
             query, key, value, out, parts, stats, kv_starts, kv_lengths, scale, GROUP=group, GROUP_PAD=group_pad,
-            D=head_dim, D_PAD=dim_pad, BLOCK=BLOCK_KEYS, SPLITS=splits, num_warps=WARPS,
-            num_stages=stages_for(group_pad, dim_pad, shared_memory))
+            D=head_dim, D_PAD=dim_pad, BLOCK=BLOCK_KEYS, SPLITS=splits, PDL=pdl, num_warps=WARPS,
+            num_stages=stages_for(group_pad, dim_pad, shared_memory), launch_pdl=pdl)
         if splits > 1:
             combine_splits[(pairs,)](out, parts, stats, GROUP=group, GROUP_PAD=group_pad, D=head_dim, D_PAD=dim_pad,
-                                     SPLITS=splits, num_warps=4)
+                                     SPLITS=splits, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
