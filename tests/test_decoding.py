@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo.inference.decoding import ReplySampler, compacted_size, filled_slot_bounds
+from grpo.inference.decoding import DECODE_COMPILE_OPTIONS, ReplySampler, compacted_size, filled_slot_bounds
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 12 apples and buys 30 more. How many apples does he have now?",
@@ -231,6 +231,21 @@ def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainer
     with pytest.raises(ValueError, match="not left-padded.*inference_model.filled_slots=false"):
         ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True).generate(ids.cuda(), right_padded.cuda(),
                                                                                         **options(tok, model))
+
+
+def test_the_decode_steps_compile_options_are_ones_this_torch_takes_and_keep_its_numbers():
+    """The options the decode step is compiled with (programmatic dependent launch, combo kernels) name inductor
+    settings this torch has (an unknown one is refused when compiling), and two independent pointwise results (the
+    rotary embedding of q and of k, which combo kernels launch as one) come out as eagerly."""
+    def rotate(q, k, cos, sin):
+        return q * cos + q.flip(-1) * sin, k * cos + k.flip(-1) * sin
+
+    q, k, cos, sin = torch.randn(4, 7, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8), torch.randn(4, 1, 8)
+    compiled = torch.compile(rotate, fullgraph=True, dynamic=False, options=DECODE_COMPILE_OPTIONS)
+    for got, expected in zip(compiled(q, k, cos, sin), rotate(q, k, cos, sin)):
+        torch.testing.assert_close(got, expected)
+    with pytest.raises(RuntimeError, match="Unexpected optimization option"):
+        torch.compile(rotate, options={**DECODE_COMPILE_OPTIONS, "triton.no_such_setting": True})
 
 
 @pytest.mark.parametrize("batch, active, size", [(128, 65, None), (128, 64, 64), (128, 20, 32), (128, 3, 16),

@@ -95,7 +95,9 @@ def test_a_lora_policy_is_exported_merged(tiny_model_dir, tmp_path):
     assert not [n for n in names if "lora" in n or "base_layer" in n or "base_model" in n]
     batch = prompt_batch(tokenizer)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    torch.testing.assert_close(logits(reloaded, batch), logits(policy, batch), rtol=1e-5, atol=1e-5)  # W + BA rounds
+    # W + BA rounds apart from W x + B(A x): one logit of 130k was 1.2e-5 off on a 2-core CPU; an unmerged adapter is
+    # off by far more (B ~ N(0, 0.2))
+    torch.testing.assert_close(logits(reloaded, batch), logits(policy, batch), rtol=1e-4, atol=1e-4)
     assert torch.equal(q_proj.base_layer.weight, base_weight)  # merged into the export, not into the policy
 
 

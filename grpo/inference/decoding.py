@@ -15,7 +15,8 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores),
   drawing the token in two stages (``grpo.inference.sampling``: random numbers for one vocabulary chunk a row);
 - prefills a prompt the batch repeats (a GRPO group's) once, and copies its KV-cache rows (``grpo.inference.kv_cache``);
-- runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU);
+- runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU), each kernel launched
+  while the one before it finishes (``DECODE_COMPILE_OPTIONS``);
 - lets rows whose reply has ended leave the batch (``compact_rows``): the batch halves whenever the rows
   still decoding fit in half of it, so a long tail of replies no longer decodes the whole batch;
 - stops once every reply has ended.
@@ -47,6 +48,8 @@ DECODE_RECOMPILE_LIMIT = 64
 # launched while the one before it finishes (Hopper on; 21.6%), and combo kernels, independent pointwise kernels such
 # as the rotary embedding of q and of k as one launch (20.9%)
 DECODE_COMPILE_OPTIONS = {"triton.enable_pdl": True, "combo_kernels": True}
+if not hasattr(torch._inductor.config.triton, "enable_pdl"):  # an older torch (the project takes 2.6 on) lacks it
+    del DECODE_COMPILE_OPTIONS["triton.enable_pdl"]
 # the options TorchRL's wrapper adds to every generate call; this loop returns what they ask for
 TORCHRL_GENERATE_OPTIONS = {"tokenizer", "output_logits", "return_dict_in_generate", "num_return_sequences"}
 

@@ -107,9 +107,9 @@ def gpu_limits(index: int) -> tuple[int, int, bool]:
     """(multiprocessors, shared memory a program may use, whether it launches programmatically dependent) of GPU
     ``index``: read once, not at every layer's call. Programmatic dependent launch (Hopper on): a kernel starts
     while the one before it finishes and waits for its writes in the kernel, as the decode step's inductor kernels
-    do (``grpo.inference.decoding.DECODE_COMPILE_OPTIONS``)."""
+    do (``grpo.inference.decoding.DECODE_COMPILE_OPTIONS``); an older Triton has no such launch."""
     properties = triton.runtime.driver.active.utils.get_device_properties(index)
-    dependent_launch = torch.cuda.get_device_capability(index)[0] >= 9
+    dependent_launch = torch.cuda.get_device_capability(index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
     return properties["multiprocessor_count"], properties["max_shared_mem"], dependent_launch
 
 
