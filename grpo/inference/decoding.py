@@ -47,9 +47,9 @@ DECODE_RECOMPILE_LIMIT = 64
 # bench_generation, one invocation each against 20.0% of the bound): programmatic dependent launch, each Triton kernel
 # launched while the one before it finishes (Hopper on; 21.6%), and combo kernels, independent pointwise kernels such
 # as the rotary embedding of q and of k as one launch (20.9%)
-DECODE_COMPILE_OPTIONS = {"triton.enable_pdl": True, "combo_kernels": True}
-if not hasattr(torch._inductor.config.triton, "enable_pdl"):  # an older torch (the project takes 2.6 on) lacks it
-    del DECODE_COMPILE_OPTIONS["triton.enable_pdl"]
+DECODE_COMPILE_OPTIONS = {"combo_kernels": True}
+if hasattr(torch._inductor.config.triton, "enable_pdl"):  # an older torch (the project takes 2.6 on) lacks it
+    DECODE_COMPILE_OPTIONS["triton.enable_pdl"] = True
 # the options TorchRL's wrapper adds to every generate call; this loop returns what they ask for
 TORCHRL_GENERATE_OPTIONS = {"tokenizer", "output_logits", "return_dict_in_generate", "num_return_sequences"}
 
