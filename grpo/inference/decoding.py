@@ -14,7 +14,8 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
   25.8% of the bound at 1.5B x 128 on an H100), in a policy it shares (``fuse_shared``) from copies while it samples;
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores),
   drawing the token in two stages (``grpo.inference.sampling``: random numbers for one vocabulary chunk a row);
-- prefills a prompt the batch repeats (a GRPO group's) once, and copies its KV-cache rows (``grpo.inference.kv_cache``);
+- prefills a prompt the batch repeats (a GRPO group's) once, and copies its KV-cache rows (``grpo.inference.prefill``),
+  compiled on a GPU;
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU), each kernel launched
   while the one before it finishes (``DECODE_COMPILE_OPTIONS``);
 - lets rows whose reply has ended leave the batch (``compact_rows``): the batch halves whenever the rows
@@ -32,6 +33,7 @@ from transformers import StaticCache
 
 from grpo.inference.fused_projections import FusedWhileSampling, fuse_projections
 from grpo.inference.kv_cache import cache_argument, copy_cache_rows, slot_cache
+from grpo.inference.prefill import PREFILL_BUCKET, Prefill
 from grpo.inference.sampling import sample_tokens
 from grpo.training.attention import use_project_attention
 
@@ -167,6 +169,8 @@ class ReplySampler(torch.nn.Module):
         self.fusion = FusedWhileSampling(model) if trained and fuse_shared else None  # the policy itself
         param = next(model.parameters())
         self.graphed = compile and param.device.type == "cuda"
+        self.prefill = Prefill(model, self.cache_name, bucket=PREFILL_BUCKET if self.graphed else 1,
+                               compile=self.graphed)
         half = param.device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
         text = model.config.get_text_config()
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # no GQA: one per head
@@ -259,7 +263,7 @@ class ReplySampler(torch.nn.Module):
         buf.tokens.fill_(pad_token_id)
         buf.log_probs.zero_()
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-        logits = self.prefill(input_ids, positions, buf.mask, cache)
+        logits = self.prefill(input_ids, positions, attention_mask, cache)
         record(buf, *sample_tokens(logits, **sampling), pad_token_id)
         buf.position.copy_(positions[:, -1:] + 1)
         buf.slot.fill_(prompt_len)
@@ -294,32 +298,6 @@ class ReplySampler(torch.nn.Module):
             self.on_sampled([row[:prompt_len][mask] for row, mask in zip(sequences, prompt_mask)],
                             [reply[reply != pad_token_id] for reply in sequences[:, prompt_len:]])
         return out
-
-    def prefill(self, input_ids, positions, mask, cache):
-        """Each prompt's last-position logits, its keys and values written to ``cache``. Eager: prompt widths vary.
-        A prompt the batch repeats (a GRPO group's replies all share one) runs once, into a cache of the distinct
-        prompts that lives for this call, whose rows are then copied: 16 prompts x 8 replies prefill an eighth of
-        the tokens."""
-        batch, prompt_len = input_ids.shape
-        distinct, copy_of = torch.unique(torch.cat([input_ids, mask[:, :prompt_len]], 1), dim=0, return_inverse=True)
-        repeated = len(distinct) < batch
-        rows, run_cache = slice(None), cache
-        if repeated:  # a row of each distinct prompt
-            rows = copy_of.new_full((len(distinct),), batch).scatter_reduce_(
-                0, copy_of, torch.arange(batch, device=copy_of.device), "amin")
-            run_cache, mask = slot_cache(self.model.config, prompt_len, input_ids.device), mask[:, :prompt_len]
-        run_cache.reset()  # newer transformers write at the cache's own running length, not at cache_position
-        run_cache.slot.zero_()  # where a one-token prompt's prefill writes, and the causal mask starts
-        # the last position by index, not ``logits_to_keep=1``: that slice is strided, and cuBLAS ran the LM head on
-        # it in 20 ms at 1.5B x 128 on an H100 (a decode step's takes 0.18 ms)
-        logits = self.model(input_ids=input_ids[rows], position_ids=positions[rows], attention_mask=mask[rows],
-                            cache_position=torch.arange(prompt_len, device=input_ids.device), use_cache=True,
-                            logits_to_keep=torch.tensor([prompt_len - 1], device=input_ids.device),
-                            **{self.cache_name: run_cache}).logits[:, -1]
-        if not repeated:
-            return logits
-        copy_cache_rows(run_cache, cache, copy_of, prompt_len)
-        return logits[copy_of]
 
     def compact(self, buf, cache, rows, size, max_new_tokens, stop_ids, pad_token_id, sampling):
         """The rows still decoding (of replies ``rows``; None: the whole batch's) moved to a batch of ``size``:

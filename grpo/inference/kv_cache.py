@@ -45,9 +45,10 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def copy_cache_rows(src: StaticCache, dst: StaticCache, rows: torch.Tensor, slots: int) -> None:
-    """``dst``'s rows become ``src``'s rows ``rows``, in that order, over their first ``slots`` slots."""
+def copy_cache_rows(src: StaticCache, dst: StaticCache, rows: torch.Tensor, slots: int, first: int = 0) -> None:
+    """``dst``'s rows become ``src``'s rows ``rows``, in that order: their ``slots`` slots from ``first`` on become
+    ``dst``'s first ``slots``."""
     for src_layer, dst_layer in zip(src.layers, dst.layers, strict=True):
-        dst_layer.keys[:, :, :slots] = src_layer.keys[rows, :, :slots]
-        dst_layer.values[:, :, :slots] = src_layer.values[rows, :, :slots]
-        dst_layer.cumulative_length.copy_(src_layer.cumulative_length)  # where a layer not at ``slot`` writes next
+        dst_layer.keys[:, :, :slots] = src_layer.keys[rows, :, first:first + slots]
+        dst_layer.values[:, :, :slots] = src_layer.values[rows, :, first:first + slots]
+        dst_layer.cumulative_length.copy_(src_layer.cumulative_length - first)  # where a layer not at ``slot`` writes

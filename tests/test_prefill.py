@@ -1,0 +1,92 @@
+"""grpo/inference/prefill.py: each distinct prompt is prefilled once, at rounded-up shapes too, and its cache rows
+serve every reply that repeats it."""
+
+import pytest
+import torch
+from test_decoding import QUESTIONS, options, prompts, teacher_forced_log_probs
+
+from grpo.inference.decoding import ReplySampler
+from grpo.inference.kv_cache import slot_cache
+from grpo.inference.prefill import Prefill, distinct_rows
+from grpo.training.models import load_causal_lm, load_tokenizer
+
+
+def allocated_cache(model, rows: int, slots: int):
+    """A decode loop's cache, its tensors allocated (as its first decode step does)."""
+    cache, text = slot_cache(model.config, slots, model.device), model.config.get_text_config()
+    cache.early_initialization(rows, text.num_key_value_heads, text.hidden_size // text.num_attention_heads,
+                               model.dtype, model.device)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    return tok, model
+
+
+def test_each_distinct_prompt_is_found_once_whatever_the_order():
+    ids = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 0, 9]])
+    mask = (ids != 0).long()
+    order = torch.tensor([3, 1, 5, 0, 4, 2])
+    rows, copy_of = distinct_rows(ids[order], mask[order])
+    assert sorted(rows.tolist()) == [0, 1, 2]  # the first row of each prompt
+    assert torch.equal(ids[order][rows][copy_of], ids[order])
+    same_mask_other_ids = distinct_rows(torch.tensor([[0, 5, 6], [0, 5, 7]]), torch.tensor([[0, 1, 1], [0, 1, 1]]))
+    assert len(same_mask_other_ids[0]) == 2
+    same_ids_other_mask = distinct_rows(torch.tensor([[0, 5, 6], [0, 5, 6]]), torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    assert len(same_ids_other_mask[0]) == 2
+
+
+def test_prompts_rounded_up_to_a_bucket_give_the_same_replies_and_log_probs(tiny):
+    """Three distinct prompts prefilled as four rows of 64 positions (left padding added, a filler row) decode the
+    same greedy replies as at their own shape, and sampled ones carry the trainer's log-probs."""
+    tok, model = tiny
+    ids, mask = prompts(tok, QUESTIONS[:3])
+    order = torch.tensor([2, 0, 1, 1, 0, 2, 2, 0])
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=False)
+    alone = sampler.generate(ids[order], mask[order], **options(tok, model, do_sample=False))["sequences"]
+    sampler.prefill = Prefill(model, sampler.cache_name, bucket=64, compile=False)
+    forwards = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        rounded = sampler.generate(ids[order], mask[order], **options(tok, model, do_sample=False))["sequences"]
+    finally:
+        hook.remove()
+    assert ids.shape[1] < 64 and [shape for shape in forwards if shape[1] > 1] == [(4, 64)]
+    assert torch.equal(rounded, alone)
+    torch.manual_seed(0)
+    out = sampler.generate(ids[order], mask[order], **options(tok, model))
+    expected = teacher_forced_log_probs(model, out["sequences"], mask[order], tok.pad_token_id)
+    real = out["sequences"][:, ids.shape[1]:] != tok.pad_token_id
+    torch.testing.assert_close(out["logits"].T[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled prefill runs on a GPU")
+def test_on_a_gpu_the_compiled_prefill_writes_the_eager_ones_logits_and_cache(tiny_model_dir):
+    """Prompts of two widths (the second compiled with dynamic sizes), each prefilled twice: the compiled prefill's
+    logits and cache rows are the eager one's within bfloat16's rounding."""
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
+    cache_name = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=False).cache_name
+    eager, compiled = Prefill(model, cache_name, bucket=1, compile=False), Prefill(model, cache_name, bucket=64,
+                                                                                 compile=True)
+    order = torch.tensor([3, 1, 0, 2, 1, 3], device="cuda")
+    for repeats in (1, 4):
+        ids, mask = (t.cuda()[order] for t in prompts(tok, [" ".join([q] * repeats) for q in QUESTIONS]))
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        results = []
+        for prefill in (eager, compiled):
+            cache = allocated_cache(model, len(ids), 512)
+            for _ in range(2):  # the compiled one's second call reuses its graph and cache
+                logits = prefill(ids, positions, mask, cache)
+            results.append((logits.float(), [layer.keys[:, :, :ids.shape[1]].float() for layer in cache.layers]))
+        (eager_logits, eager_keys), (compiled_logits, compiled_keys) = results
+        real = mask.bool()[:, None, :, None].expand_as(eager_keys[0])
+        # within bfloat16's rounding: a compiled RMSNorm rounds once where the eager one rounds at each op
+        torch.testing.assert_close(compiled_logits, eager_logits, atol=2**-6 * eager_logits.abs().max(), rtol=0)
+        for eager_layer, compiled_layer in zip(eager_keys, compiled_keys):
+            torch.testing.assert_close(compiled_layer[real], eager_layer[real],
+                                       atol=2**-6 * eager_layer[real].abs().max(), rtol=0)
