@@ -67,26 +67,28 @@ def test_prompts_rounded_up_to_a_bucket_give_the_same_replies_and_log_probs(tiny
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled prefill runs on a GPU")
 def test_on_a_gpu_the_compiled_prefill_writes_the_eager_ones_logits_and_cache(tiny_model_dir):
     """Prompts of two widths (the second compiled with dynamic sizes), each prefilled twice: the compiled prefill's
-    logits and cache rows are the eager one's within bfloat16's rounding."""
+    logits and cache rows are the eager one's. In float32: in bfloat16 a compiled RMSNorm rounds once where the eager
+    one rounds at each op, and the two drift apart by up to ~2% of a key's scale over the layers. (On the CPU the same
+    check passes too, but its two compilations take ~50 s.)"""
+    device = torch.device("cuda")
     tok = load_tokenizer(tiny_model_dir)
-    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
+    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=device).eval()
     cache_name = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=False).cache_name
     eager, compiled = Prefill(model, cache_name, bucket=1, compile=False), Prefill(model, cache_name, bucket=64,
                                                                                  compile=True)
-    order = torch.tensor([3, 1, 0, 2, 1, 3], device="cuda")
+    order = torch.tensor([3, 1, 0, 2, 1, 3], device=device)
     for repeats in (1, 4):
-        ids, mask = (t.cuda()[order] for t in prompts(tok, [" ".join([q] * repeats) for q in QUESTIONS]))
+        ids, mask = (t.to(device)[order] for t in prompts(tok, [" ".join([q] * repeats) for q in QUESTIONS]))
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         results = []
         for prefill in (eager, compiled):
             cache = allocated_cache(model, len(ids), 512)
             for _ in range(2):  # the compiled one's second call reuses its graph and cache
                 logits = prefill(ids, positions, mask, cache)
-            results.append((logits.float(), [layer.keys[:, :, :ids.shape[1]].float() for layer in cache.layers]))
+            results.append((logits, [layer.keys[:, :, :ids.shape[1]] for layer in cache.layers]))
         (eager_logits, eager_keys), (compiled_logits, compiled_keys) = results
         real = mask.bool()[:, None, :, None].expand_as(eager_keys[0])
-        # within bfloat16's rounding: a compiled RMSNorm rounds once where the eager one rounds at each op
-        torch.testing.assert_close(compiled_logits, eager_logits, atol=2**-6 * eager_logits.abs().max(), rtol=0)
+        torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4 * eager_logits.abs().max(), rtol=0)
         for eager_layer, compiled_layer in zip(eager_keys, compiled_keys):
             torch.testing.assert_close(compiled_layer[real], eager_layer[real],
-                                       atol=2**-6 * eager_layer[real].abs().max(), rtol=0)
+                                       atol=1e-4 * eager_layer[real].abs().max(), rtol=0)
