@@ -41,6 +41,17 @@ def teacher_forced_log_probs(model, sequences, prompt_mask, pad_id, temperature=
     return log_probs.gather(-1, sequences[:, prompt_len:, None])[..., 0]
 
 
+def greedy_replies_and_forwards(sampler, tok, model, ids, mask):
+    """``sampler``'s greedy sequences for these prompts, and the ``input_ids`` shape of each forward it ran."""
+    forwards = []
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        return sampler.generate(ids, mask, **options(tok, model, do_sample=False))["sequences"], forwards
+    finally:
+        hook.remove()
+
+
 def test_greedy_replies_are_transformers_generate_replies(tiny):
     tok, model, sampler = tiny
     ids, mask = prompts(tok)
@@ -78,13 +89,7 @@ def test_a_prompt_the_batch_repeats_is_prefilled_once(tiny):
     ids, mask = prompts(tok)
     order = torch.tensor([2, 0, 2, 1, 3, 2, 0, 1, 3, 3, 0, 1, 2, 0, 1, 3])
     kept = set(sampler._caches)
-    forwards = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: forwards.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    try:
-        greedy = sampler.generate(ids[order], mask[order], **options(tok, model, do_sample=False))["sequences"]
-    finally:
-        hook.remove()
+    greedy, forwards = greedy_replies_and_forwards(sampler, tok, model, ids[order], mask[order])
     prefills = [shape for shape in forwards if shape[1] > 1]  # the rest: one-token decode steps of the 16 rows
     assert prefills == [(len(ids), ids.shape[1])] and set(forwards) - set(prefills) == {(len(order), 1)}
     assert set(sampler._caches) - kept <= {len(order)}

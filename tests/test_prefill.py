@@ -3,7 +3,7 @@ serve every reply that repeats it."""
 
 import pytest
 import torch
-from test_decoding import QUESTIONS, options, prompts, teacher_forced_log_probs
+from test_decoding import QUESTIONS, greedy_replies_and_forwards, options, prompts, teacher_forced_log_probs
 
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.kv_cache import slot_cache
@@ -48,13 +48,7 @@ def test_prompts_rounded_up_to_a_bucket_give_the_same_replies_and_log_probs(tiny
     sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=False)
     alone = sampler.generate(ids[order], mask[order], **options(tok, model, do_sample=False))["sequences"]
     sampler.prefill = Prefill(model, sampler.cache_name, bucket=64, compile=False)
-    forwards = []
-    hook = model.register_forward_pre_hook(
-        lambda module, args, kwargs: forwards.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    try:
-        rounded = sampler.generate(ids[order], mask[order], **options(tok, model, do_sample=False))["sequences"]
-    finally:
-        hook.remove()
+    rounded, forwards = greedy_replies_and_forwards(sampler, tok, model, ids[order], mask[order])
     assert ids.shape[1] < 64 and [shape for shape in forwards if shape[1] > 1] == [(4, 64)]
     assert torch.equal(rounded, alone)
     torch.manual_seed(0)
