@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--calls", type=int, default=2, help="timed calls per variant, after one warm-up call")
     p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, dense, compact")
     p.add_argument("--mean-reply", type=int, default=0, help="replies end after about this many tokens (0: never)")
+    p.add_argument("--compile-prefill", type=int, default=1, help="ours: the prefill compiled too, as a long run would "
+                   "(inference_model.compile_prefill; 0: eager, the job's default)")
     p.add_argument("--cache-bucket", type=int, default=128, help="ours: KV cache length rounding (inference_model.cache_bucket)")
     p.add_argument("--profile", action="store_true", help="ours: print the GPU kernels of one more call (torch.profiler)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -154,7 +156,8 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
                 call = lambda: model.generate(input_ids=input_ids, attention_mask=attention_mask,  # noqa: E731
                                               output_logits=True, return_dict_in_generate=True, **options)
             else:
-                sampler = ReplySampler(model, compile=True, cache_bucket=args.cache_bucket,
+                sampler = ReplySampler(model, compile=True, compile_prefill=bool(args.compile_prefill),
+                                       cache_bucket=args.cache_bucket,
                                        compact_rows=variant == "compact", filled_slots=variant != "dense")
                 call = lambda: sampler.generate(input_ids, attention_mask, **options)  # noqa: E731
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -205,7 +208,8 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2) if bandwidth else None,
-              "max_new_tokens": args.max_new_tokens, "mean_reply": args.mean_reply, "calls": args.calls}
+              "max_new_tokens": args.max_new_tokens, "mean_reply": args.mean_reply, "calls": args.calls,
+              "compile_prefill": bool(args.compile_prefill)}
     print(json.dumps(header), flush=True)
     rows = [row for shape in args.shapes.split(",") for row in run_shape(args, shape, bandwidth)]
     print(f"\n{'shape':<14}{'batch':>6} {'variant':<8}{'tokens/s':>10}{'% bound':>9}{'peak GB':>9}"

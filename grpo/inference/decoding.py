@@ -15,7 +15,7 @@ full-vocabulary logits for every generated token (47 GB peak). This loop instead
 - keeps only the sampled token's log-prob (of the tempered distribution it was drawn from: what the trainer scores),
   drawing the token in two stages (``grpo.inference.sampling``: random numbers for one vocabulary chunk a row);
 - prefills a prompt the batch repeats (a GRPO group's) once, and copies its KV-cache rows (``grpo.inference.prefill``),
-  compiled on a GPU;
+  compiled on a GPU where asked (``compile_prefill``);
 - runs each decode step (forward, sampling, bookkeeping) as one CUDA-graph replay (single GPU), each kernel launched
   while the one before it finishes (``DECODE_COMPILE_OPTIONS``);
 - lets rows whose reply has ended leave the batch (``compact_rows``): the batch halves whenever the rows
@@ -146,12 +146,14 @@ class ReplySampler(torch.nn.Module):
     (``compacted_size``), with their KV cache; each size has its own cache and step, built once and kept.
     ``fuse_shared``: a model that trains too samples through fused copies (``FusedWhileSampling``).
 
+    ``compile_prefill``: with ``compile``, the prompts' forward is compiled too (``grpo.inference.prefill``).
+
     ``filled_slots``: on a GPU in half precision, decode attention reads each reply's filled cache slots only
     (a Triton kernel); elsewhere, and when off, every slot of the cache under the attention mask.
     """
 
     def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool, filled_slots: bool = True,
-                 fuse_shared: bool = True):
+                 fuse_shared: bool = True, compile_prefill: bool = False):
         super().__init__()
         self.model = model
         self.cache_bucket = cache_bucket
@@ -169,8 +171,9 @@ class ReplySampler(torch.nn.Module):
         self.fusion = FusedWhileSampling(model) if trained and fuse_shared else None  # the policy itself
         param = next(model.parameters())
         self.graphed = compile and param.device.type == "cuda"
-        self.prefill = Prefill(model, self.cache_name, bucket=PREFILL_BUCKET if self.graphed else 1,
-                               compile=self.graphed)
+        compiled_prefill = self.graphed and compile_prefill
+        self.prefill = Prefill(model, self.cache_name, bucket=PREFILL_BUCKET if compiled_prefill else 1,
+                               compile=compiled_prefill)
         half = param.device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
         text = model.config.get_text_config()
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # no GQA: one per head

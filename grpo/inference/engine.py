@@ -47,7 +47,8 @@ class TransformersInference:
         else:
             self.model = load_causal_lm(s.model_name, tokenizer, dtype=dtype, device=device)
             self.model.eval().requires_grad_(False)
-        self.sampler = sampler = ReplySampler(self.model, compile=s.compile, cache_bucket=s.cache_bucket,
+        self.sampler = sampler = ReplySampler(self.model, compile=s.compile, compile_prefill=s.compile_prefill,
+                                              cache_bucket=s.cache_bucket,
                                               compact_rows=s.compact_rows, filled_slots=s.filled_slots,
                                               fuse_shared=s.fuse_shared)
         self.policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(

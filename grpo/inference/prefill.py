@@ -1,12 +1,13 @@
 """The prompts' forward pass before decoding: each distinct prompt once, its KV-cache rows then copied to each reply
 that repeats it (a GRPO group's replies share a prompt: 16 prompts x 8 replies prefill an eighth of the tokens).
 
-On a GPU the forward is compiled: its first shape as it is, and a second one with dynamic sizes that every later shape
-reuses (two compilations a run, ~30 s each at 0.5B-1.5B). Shapes are rounded up, to a multiple of ``PREFILL_BUCKET``
-positions (more left padding, which the decode loop skips) and a power of two of prompts, so that the caches kept for
-them are few. Run eagerly, transformers' forward launched ~1,400 kernels from Python for Qwen2.5-0.5B's 16 prompts x 121
-tokens: 40 ms of a 760 ms generate call of 128 replies x 512 tokens, against 11 ms of GPU work (one H100,
-benchmarks/README.md).
+On a GPU the forward can be compiled (``inference_model.compile_prefill``): its first shape as it is, and a second one
+with dynamic sizes that every later shape reuses (two compilations a run: ~30 s, then up to ~100 s at 0.5B-1.5B on an
+H100 host with a cold compile cache, against ~35 ms saved a generate call). Shapes are then rounded up, to a multiple
+of ``PREFILL_BUCKET`` positions (more left padding, which the decode loop skips) and a power of two of prompts, so
+that the caches kept for them are few. Run eagerly, transformers' forward launched ~1,400 kernels from Python for
+Qwen2.5-0.5B's 16 prompts x 121 tokens: 40 ms of a 760 ms generate call of 128 replies x 512 tokens, against 11 ms of
+GPU work (one H100, benchmarks/README.md).
 """
 
 from __future__ import annotations
