@@ -31,13 +31,17 @@ def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tupl
     weights = torch.randint(1, 2**16, (keyed.shape[1],), generator=torch.Generator().manual_seed(0))
     hashed = (keyed * weights.to(keyed.device)).sum(1)
     _, copy_of = torch.unique(hashed, return_inverse=True)
-    rows = copy_of.new_full((int(copy_of.max()) + 1,), len(copy_of)).scatter_reduce_(
-        0, copy_of, torch.arange(len(copy_of), device=copy_of.device), "amin")
+    rows = first_rows(copy_of)
     if not torch.equal(keyed[rows][copy_of], keyed):  # two prompts hashed alike: compare the rows themselves
         _, copy_of = torch.unique(keyed, dim=0, return_inverse=True)
-        rows = copy_of.new_full((int(copy_of.max()) + 1,), len(copy_of)).scatter_reduce_(
-            0, copy_of, torch.arange(len(copy_of), device=copy_of.device), "amin")
+        rows = first_rows(copy_of)
     return rows, copy_of
+
+
+def first_rows(copy_of: torch.Tensor) -> torch.Tensor:
+    """The first row of each group, ``copy_of`` giving each row's group."""
+    return copy_of.new_full((int(copy_of.max()) + 1,), len(copy_of)).scatter_reduce_(
+        0, copy_of, torch.arange(len(copy_of), device=copy_of.device), "amin")
 
 
 def prefill_forward(model, cache_name: str, cache: StaticCache, input_ids, positions, attention_mask):
