@@ -13,7 +13,8 @@ with the rollout settings (temperature 1, top_k/top_p off) by:
   on a GPU, decode attention reads each reply's filled cache slots only);
 * ``dense``: the same with decode attention over every cache slot under the mask (``filled_slots=False``, as
   before 2026-11-27);
-* ``compact``: the same with ``compact_rows`` (rows whose reply ended leave the batch, which halves).
+* ``compact``: the same with ``compact_rows`` (rows whose reply ended leave the batch, which halves);
+* ``kernel``: the same with ``sampler_kernel`` (tokens drawn by Triton kernels, ``grpo.inference.sampling_kernel``).
 
 A random-init model never stops on its own: every reply runs to ``--max-new-tokens``. ``--mean-reply N``
 makes replies end as real ones do, at spread lengths: about one token in N (``vocab / N`` random token ids)
@@ -51,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts-per-batch", type=int, default=16, help="distinct questions per batch (rest: repeats)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap")
     p.add_argument("--calls", type=int, default=2, help="timed calls per variant, after one warm-up call")
-    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, dense, compact")
+    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, dense, compact, kernel")
     p.add_argument("--mean-reply", type=int, default=0, help="replies end after about this many tokens (0: never)")
     p.add_argument("--compile-prefill", type=int, default=1, help="ours: the prefill compiled too, as a long run would "
                    "(inference_model.compile_prefill; 0: eager, the job's default)")
@@ -158,7 +159,8 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
             else:
                 sampler = ReplySampler(model, compile=True, compile_prefill=bool(args.compile_prefill),
                                        cache_bucket=args.cache_bucket,
-                                       compact_rows=variant == "compact", filled_slots=variant != "dense")
+                                       compact_rows=variant == "compact", filled_slots=variant != "dense",
+                                       sampler_kernel=variant == "kernel")
                 call = lambda: sampler.generate(input_ids, attention_mask, **options)  # noqa: E731
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             t0 = time.perf_counter()

@@ -52,6 +52,7 @@ def test_every_key_has_a_comment(name):
     ("inference_model.compact_rows=maybe", r"inference_model.compact_rows='maybe' must be true or false"),
     ("inference_model.filled_slots=1", r"inference_model.filled_slots=1 must be true or false"),
     ("inference_model.compile_prefill=yes", r"inference_model.compile_prefill='yes' must be true or false"),
+    ("inference_model.sampler_kernel=1", r"inference_model.sampler_kernel=1 must be true or false"),
     ("ref_model.score_early=yes", r"ref_model.score_early=.yes. must be true or false"),
     ("train.packed_sequences=1", r"train.packed_sequences=1 must be true or false"),
     ("env.task=mmlu", r"env.task='mmlu' is unknown"),

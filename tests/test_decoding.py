@@ -238,6 +238,27 @@ def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainer
                                                                                         **options(tok, model))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sampler's Triton kernels need a GPU")
+def test_on_a_gpu_the_sampler_kernels_in_the_captured_step_give_the_same_greedy_replies_and_the_trainers_log_probs(
+        tiny_model_dir):
+    """float32 on a GPU, the decode step compiled and captured as a CUDA graph: with ``sampler_kernel`` the greedy
+    replies are the compiled sampler's, token for token, and sampled replies carry the teacher-forced log-probs."""
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cuda")).eval()
+    ids, mask, extra = spread_out_replies(tok, model)
+    ids, mask = ids.cuda(), mask.cuda()
+    greedy = {}
+    for kernel in (False, True):
+        sampler = ReplySampler(model, compile=True, cache_bucket=64, compact_rows=False, sampler_kernel=kernel)
+        greedy[kernel] = sampler.generate(ids, mask, **options(tok, model, do_sample=False, **extra))["sequences"]
+    assert torch.equal(greedy[True], greedy[False])
+    torch.manual_seed(0)
+    out = sampler.generate(ids, mask, **options(tok, model, **extra))
+    expected = teacher_forced_log_probs(model, out["sequences"].cuda(), mask, tok.pad_token_id)
+    real = out["sequences"][:, ids.shape[1]:].cuda() != tok.pad_token_id
+    assert float((out["logits"].T.cuda() - expected)[real].abs().mean()) < 1e-4
+
+
 def test_the_decode_steps_compile_options_are_ones_this_torch_takes_and_keep_its_numbers():
     """The options the decode step is compiled with (programmatic dependent launch, combo kernels) name inductor
     settings this torch has (an unknown one is refused when compiling), and two independent pointwise results (the

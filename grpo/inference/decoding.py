@@ -147,17 +147,19 @@ class ReplySampler(torch.nn.Module):
     ``fuse_shared``: a model that trains too samples through fused copies (``FusedWhileSampling``).
 
     ``compile_prefill``: with ``compile``, the prompts' forward is compiled too (``grpo.inference.prefill``).
+    ``sampler_kernel``: on a GPU, tokens are drawn by Triton kernels (``grpo.inference.sampling``).
 
     ``filled_slots``: on a GPU in half precision, decode attention reads each reply's filled cache slots only
     (a Triton kernel); elsewhere, and when off, every slot of the cache under the attention mask.
     """
 
     def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool, filled_slots: bool = True,
-                 fuse_shared: bool = True, compile_prefill: bool = False):
+                 fuse_shared: bool = True, compile_prefill: bool = False, sampler_kernel: bool = False):
         super().__init__()
         self.model = model
         self.cache_bucket = cache_bucket
         self.compact_rows = compact_rows
+        self.sampler_kernel = sampler_kernel
         self.batch_sizes: list[int] = []  # the last generate call's decode batches, first to last
         self.seconds = 0.0  # in generate calls so far, until their replies were on the GPU
         # called with each sampled (not greedy) batch's prompt and reply ids (CPU tensors, a list each) as they
@@ -248,7 +250,8 @@ class ReplySampler(torch.nn.Module):
         prompt_mask = attention_mask
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         batch, prompt_len = input_ids.shape
-        sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+        sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                        kernel=self.sampler_kernel)
         slots, cache = self.kv_cache(batch, prompt_len + max_new_tokens)
         buf, step = self.decode_step_for(batch, slots, cache, max_new_tokens, list(eos_token_id), pad_token_id,
                                          sampling)

@@ -50,7 +50,7 @@ class TransformersInference:
         self.sampler = sampler = ReplySampler(self.model, compile=s.compile, compile_prefill=s.compile_prefill,
                                               cache_bucket=s.cache_bucket,
                                               compact_rows=s.compact_rows, filled_slots=s.filled_slots,
-                                              fuse_shared=s.fuse_shared)
+                                              fuse_shared=s.fuse_shared, sampler_kernel=s.sampler_kernel)
         self.policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
             s, tokenizer, greedy=False, max_new_tokens=s.max_new_tokens, stop_ids=stop_ids))
         self.greedy_policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(

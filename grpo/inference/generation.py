@@ -37,6 +37,7 @@ class EngineSettings:
     compile: bool                 # transformers: the decode step as a CUDA graph
     cache_bucket: int             # transformers: KV-cache length rounded up to this
     compile_prefill: bool         # transformers: the prompts' forward compiled too (with ``compile``)
+    sampler_kernel: bool          # transformers, GPU: tokens drawn by Triton kernels (top_k/top_p off)
     compact_rows: bool            # transformers: rows whose reply ended leave the decode batch
     filled_slots: bool            # transformers, GPU, half precision: decode attention reads filled cache slots only
     fuse_shared: bool             # transformers: a policy it shares samples through fused q/k/v and gate/up copies
@@ -53,7 +54,7 @@ class EngineSettings:
         return cls(model_name=cfg.model.name, backend=im.backend, dtype=im.dtype, max_new_tokens=im.max_new_tokens,
                    eval_max_new_tokens=cfg.eval.max_new_tokens, temperature=im.temperature, top_p=im.top_p,
                    top_k=im.top_k, compile=im.compile, compile_prefill=im.compile_prefill, cache_bucket=im.cache_bucket,
-                   compact_rows=im.compact_rows,
+                   compact_rows=im.compact_rows, sampler_kernel=im.sampler_kernel,
                    filled_slots=im.filled_slots, fuse_shared=im.fuse_shared,
                    max_model_len=im.max_model_len, gpu_memory_utilization=im.gpu_memory_utilization,
                    enforce_eager=im.enforce_eager,

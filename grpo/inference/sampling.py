@@ -12,13 +12,18 @@ import torch
 VOCAB_CHUNKS = 32
 
 
-def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float):
+def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float, kernel: bool = False):
     """The next token of each row and its log-prob under the distribution it was drawn from: softmax of
     the logits / temperature, cut by top-k/top-p (as vLLM's ``processed_logprobs``); greedy: the raw logits'.
 
     A draw is exact in two stages: a vocabulary chunk by its probability mass, then a token of that chunk by
     its probability within it (each a Gumbel-max draw). So random numbers are drawn for one chunk a row, not
-    for the whole vocabulary."""
+    for the whole vocabulary. ``kernel``: on a GPU, without top-k/top-p, the same draw by two Triton kernels
+    (``grpo.inference.sampling_kernel``), which read the logits once."""
+    if kernel and logits.is_cuda and not top_k and top_p >= 1.0:
+        from grpo.inference.sampling_kernel import draw_tokens  # imports Triton: GPUs only
+
+        return draw_tokens(logits.contiguous(), 1.0 if greedy else 1.0 / temperature, greedy)
     logits = logits.float()
     if not greedy:
         logits = logits / temperature

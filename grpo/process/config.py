@@ -112,7 +112,8 @@ def validate_config(cfg) -> None:
     need(not (t.loss_variant == "gspo" and t.inference_is_cap is not None), "train.loss_variant=gspo weighs whole "
          "replies, train.inference_is_cap weighs tokens: set train.inference_is_cap=null with gspo.")
     for key in ("train.dynamic_sampling", "train.overlong_filter", "train.packed_sequences", "inference_model.compact_rows",
-                "inference_model.filled_slots", "inference_model.compile_prefill", "ref_model.score_early"):
+                "inference_model.filled_slots", "inference_model.compile_prefill",
+                "inference_model.sampler_kernel", "ref_model.score_early"):
         need(isinstance(OmegaConf.select(cfg, key), bool), f"{key}={OmegaConf.select(cfg, key)!r} must be true or false.")
     need(type(t.max_extra_generation_batches) is int and t.max_extra_generation_batches >= 0,
          f"train.max_extra_generation_batches={t.max_extra_generation_batches!r} must be a whole number >= 0 (extra "
