@@ -209,15 +209,27 @@ def test_filled_slot_bounds_are_the_attention_masks_slots_also_after_compaction(
         assert bounds["filled_kv_starts"].dtype == bounds["filled_kv_lengths"].dtype == torch.int32
 
 
+def on_the_gpu_with_spread_out_replies(tiny_model_dir, dtype):
+    """The tiny model on the GPU in ``dtype``, and ``spread_out_replies``' prompts there."""
+    tok = load_tokenizer(tiny_model_dir)
+    model = load_causal_lm(tiny_model_dir, tok, dtype=dtype, device=torch.device("cuda")).eval()
+    ids, mask, extra = spread_out_replies(tok, model)
+    return tok, model, ids.cuda(), mask.cuda(), extra
+
+
+def log_prob_gap(model, tok, out, prompt_mask) -> float:
+    """Mean |sampler's log-prob - teacher-forced log-prob| over the reply tokens of a generate call's ``out``."""
+    expected = teacher_forced_log_probs(model, out["sequences"].cuda(), prompt_mask, tok.pad_token_id)
+    real = out["sequences"][:, prompt_mask.shape[1]:].cuda() != tok.pad_token_id
+    return float((out["logits"].T.cuda() - expected)[real].abs().mean())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the filled-slot kernel needs a GPU")
 def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainers_log_probs(tiny_model_dir):
     """bf16 on a GPU: the filled-slot attention's replies carry the teacher-forced log-probs as closely as the
     dense attention's, sampled and greedy (greedy replies may part where bf16 flips a near-tie); prompts that are
     not left-padded are refused in one line."""
-    tok = load_tokenizer(tiny_model_dir)
-    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.bfloat16, device=torch.device("cuda")).eval()
-    ids, mask, extra = spread_out_replies(tok, model)
-    ids, mask = ids.cuda(), mask.cuda()
+    tok, model, ids, mask, extra = on_the_gpu_with_spread_out_replies(tiny_model_dir, torch.bfloat16)
     gaps = {}
     for filled in (True, False):
         sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True, filled_slots=filled)
@@ -225,9 +237,7 @@ def test_on_a_gpu_decoding_that_reads_filled_slots_only_samples_with_the_trainer
         for do_sample in (True, False):
             torch.manual_seed(0)
             out = sampler.generate(ids, mask, **options(tok, model, do_sample=do_sample, **extra))
-            expected = teacher_forced_log_probs(model, out["sequences"].cuda(), mask, tok.pad_token_id)
-            real = out["sequences"][:, ids.shape[1]:].cuda() != tok.pad_token_id
-            gaps[filled, do_sample] = float((out["logits"].T.cuda() - expected)[real].abs().mean())
+            gaps[filled, do_sample] = log_prob_gap(model, tok, out, mask)
     for do_sample in (True, False):
         assert gaps[True, do_sample] < 0.02 and gaps[True, do_sample] < 2 * gaps[False, do_sample] + 1e-3, gaps
     ids, mask = prompts(tok)  # of different lengths
@@ -243,20 +253,14 @@ def test_on_a_gpu_the_sampler_kernels_in_the_captured_step_give_the_same_greedy_
         tiny_model_dir):
     """float32 on a GPU, the decode step compiled and captured as a CUDA graph: with ``sampler_kernel`` the greedy
     replies are the compiled sampler's, token for token, and sampled replies carry the teacher-forced log-probs."""
-    tok = load_tokenizer(tiny_model_dir)
-    model = load_causal_lm(tiny_model_dir, tok, dtype=torch.float32, device=torch.device("cuda")).eval()
-    ids, mask, extra = spread_out_replies(tok, model)
-    ids, mask = ids.cuda(), mask.cuda()
+    tok, model, ids, mask, extra = on_the_gpu_with_spread_out_replies(tiny_model_dir, torch.float32)
     greedy = {}
     for kernel in (False, True):
         sampler = ReplySampler(model, compile=True, cache_bucket=64, compact_rows=False, sampler_kernel=kernel)
         greedy[kernel] = sampler.generate(ids, mask, **options(tok, model, do_sample=False, **extra))["sequences"]
     assert torch.equal(greedy[True], greedy[False])
     torch.manual_seed(0)
-    out = sampler.generate(ids, mask, **options(tok, model, **extra))
-    expected = teacher_forced_log_probs(model, out["sequences"].cuda(), mask, tok.pad_token_id)
-    real = out["sequences"][:, ids.shape[1]:].cuda() != tok.pad_token_id
-    assert float((out["logits"].T.cuda() - expected)[real].abs().mean()) < 1e-4
+    assert log_prob_gap(model, tok, sampler.generate(ids, mask, **options(tok, model, **extra)), mask) < 1e-4
 
 
 def test_the_decode_steps_compile_options_are_ones_this_torch_takes_and_keep_its_numbers():
