@@ -60,7 +60,7 @@ def test_a_draw_over_many_chunks_follows_the_distribution():
     torch.testing.assert_close(log_prob, kept.log_softmax(-1)[token])
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-pass Triton draw runs on a GPU")
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton draw runs on a GPU")
 
 
 @gpu

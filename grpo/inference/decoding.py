@@ -147,7 +147,7 @@ class ReplySampler(torch.nn.Module):
     ``fuse_shared``: a model that trains too samples through fused copies (``FusedWhileSampling``).
 
     ``compile_prefill``: with ``compile``, the prompts' forward is compiled too (``grpo.inference.prefill``).
-    ``sampler_kernel``: on a GPU, tokens are drawn by Triton kernels (``grpo.inference.sampling``).
+    ``sampler_kernel``: on a GPU, tokens are drawn by Triton kernels (``grpo.inference.sampling_kernel``).
 
     ``filled_slots``: on a GPU in half precision, decode attention reads each reply's filled cache slots only
     (a Triton kernel); elsewhere, and when off, every slot of the cache under the attention mask.
