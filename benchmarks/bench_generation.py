@@ -10,11 +10,12 @@ with the rollout settings (temperature 1, top_k/top_p off) by:
 
 * ``hf``: ``model.generate`` as TorchRL's wrapper calls it (``output_logits``: full logits per token);
 * ``ours``: ``grpo.inference.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch;
-  on a GPU, decode attention reads each reply's filled cache slots only);
+  on a GPU, decode attention reads each reply's filled cache slots only and tokens are drawn by Triton kernels);
 * ``dense``: the same with decode attention over every cache slot under the mask (``filled_slots=False``, as
   before 2026-11-27);
 * ``compact``: the same with ``compact_rows`` (rows whose reply ended leave the batch, which halves);
-* ``kernel``: the same with ``sampler_kernel`` (tokens drawn by Triton kernels, ``grpo.inference.sampling_kernel``).
+* ``inductor_sampler``: the same with tokens drawn by the compiled ``grpo.inference.sampling``
+  (``sampler_kernel=False``, as before 2026-11-28), not ``grpo.inference.sampling_kernel``.
 
 A random-init model never stops on its own: every reply runs to ``--max-new-tokens``. ``--mean-reply N``
 makes replies end as real ones do, at spread lengths: about one token in N (``vocab / N`` random token ids)
@@ -26,6 +27,10 @@ every decode step must read all weights once), the percentage of it reached, and
 memory over the timed calls, next to weights + KV cache. The bandwidth is measured here (a large
 device-to-device copy), not taken from a data sheet. Our sampler's log-probs are compared with a
 teacher-forced forward of the same weights (mean |difference| per token).
+
+On a GPU a one-kernel CUDA graph is captured before any variant: a decode step's dependent launches pay only in the
+first CUDA graph a process captures (``warm_graph_state``), and a job captures several (eval's greedy step, each
+compacted batch), so every variant is measured as a job runs, whatever its place in ``--variants``.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts-per-batch", type=int, default=16, help="distinct questions per batch (rest: repeats)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap")
     p.add_argument("--calls", type=int, default=2, help="timed calls per variant, after one warm-up call")
-    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, dense, compact, kernel")
+    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, dense, compact, inductor_sampler")
     p.add_argument("--mean-reply", type=int, default=0, help="replies end after about this many tokens (0: never)")
     p.add_argument("--compile-prefill", type=int, default=1, help="ours: the prefill compiled too, as a long run would "
                    "(inference_model.compile_prefill; 0: eager, the job's default)")
@@ -75,6 +80,22 @@ def copy_bandwidth(device) -> float:
         dst.copy_(src)
     torch.cuda.synchronize()
     return 10 * 2 * src.numel() * 4 / (time.perf_counter() - t0)
+
+
+def warm_graph_state(device) -> None:
+    """Capture (and drop) a one-kernel CUDA graph, so that no variant's decode step is the process's first graph.
+
+    One H200, 0.5B x 128 (2026-11-28): the same replayed decode step took 1,138 us while it was the process's first
+    captured graph and 1,247 us after any other capture (a one-kernel graph, on another stream, never replayed, then
+    deleted), for good; with dependent launches off, 1,237 us either way. A job captures more than one (eval's greedy
+    step, each compacted batch), so the first variant of an invocation read ~9% faster than a job's decoding."""
+    import torch
+
+    x = torch.zeros(8, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    del graph
 
 
 def chat_prompts(tok, data: str, questions: int, batch: int):
@@ -160,7 +181,7 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
                 sampler = ReplySampler(model, compile=True, compile_prefill=bool(args.compile_prefill),
                                        cache_bucket=args.cache_bucket,
                                        compact_rows=variant == "compact", filled_slots=variant != "dense",
-                                       sampler_kernel=variant == "kernel")
+                                       sampler_kernel=variant != "inductor_sampler")
                 call = lambda: sampler.generate(input_ids, attention_mask, **options)  # noqa: E731
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             t0 = time.perf_counter()
@@ -208,17 +229,19 @@ def main(argv=None) -> None:
 
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        warm_graph_state(device)
     header = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "copy_bandwidth_tb_s": round(bandwidth / 1e12, 2) if bandwidth else None,
               "max_new_tokens": args.max_new_tokens, "mean_reply": args.mean_reply, "calls": args.calls,
               "compile_prefill": bool(args.compile_prefill)}
     print(json.dumps(header), flush=True)
     rows = [row for shape in args.shapes.split(",") for row in run_shape(args, shape, bandwidth)]
-    print(f"\n{'shape':<14}{'batch':>6} {'variant':<8}{'tokens/s':>10}{'% bound':>9}{'peak GB':>9}"
+    print(f"\n{'shape':<14}{'batch':>6} {'variant':<17}{'tokens/s':>10}{'% bound':>9}{'peak GB':>9}"
           f"{'weights+KV':>11}{'call s':>8}{'warm-up s':>10}")
     for r in rows:
         fixed = r["weights_gb"] + r.get("kv_cache_gb", 0)
-        print(f"{r['shape']:<14}{r['batch']:>6} {r['variant']:<8}{r['tokens_per_s']:>10.0f}"
+        print(f"{r['shape']:<14}{r['batch']:>6} {r['variant']:<17}{r['tokens_per_s']:>10.0f}"
               f"{r.get('pct_of_bound', float('nan')):>9.1f}{r.get('peak_gb', float('nan')):>9.2f}{fixed:>11.2f}"
               f"{r['call_s']:>8.2f}{r['warmup_call_s']:>10.1f}")
     for shape in dict.fromkeys(r["shape"] for r in rows):

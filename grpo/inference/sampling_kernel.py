@@ -8,8 +8,9 @@ of bfloat16 logits that one read at the GPU's bandwidth takes ~10 us. The same t
 first kernel reads each chunk of a row once (its maximum and sum of exponentials), the second draws a chunk by its
 mass, then a token of it by its probability within it, each a Gumbel-max draw, so random numbers are made for one
 chunk a row (a Gumbel draw for every token took 131 us: a random number costs more than reading the logit). Greedy:
-each chunk's first maximum, then the first chunk's with the largest. Yet the decode call was slower with them
-(benchmarks/README.md), hence off by default.
+each chunk's first maximum, then the first chunk's with the largest. A decode call, 128 replies x 512 tokens on an
+H200, alternating with the compiled sampler in one process: 0.5B 0.662-0.679 s against 0.676-0.692, 1.5B
+1.147-1.153 against 1.158-1.165 (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo.training.filled_slots_kernel import gpu_limits
+
 # tokens a chunk: one load a program (16 a thread), ~9.6k programs at 152k tokens x 128 rows; the draw within a
 # chunk then makes 2k random numbers a row
 CHUNK = 2048
@@ -25,8 +28,10 @@ CHUNK = 2048
 
 @triton.jit
 def chunk_sums(logits_ptr, stats_ptr, vocab, row_stride, inv_temperature, CHUNK: tl.constexpr,
-               CHUNKS: tl.constexpr, GREEDY: tl.constexpr):
+               CHUNKS: tl.constexpr, GREEDY: tl.constexpr, PDL: tl.constexpr):
     """Each chunk's maximum scaled logit, the sum of exp(scaled logit - maximum) and (greedy) the first token at it."""
+    if PDL:  # launched before the logits' kernel has finished: wait for its writes
+        tl.extra.cuda.gdc_wait()
     row, chunk = tl.program_id(0), tl.program_id(1)
     tokens = chunk * CHUNK + tl.arange(0, CHUNK)
     scaled = (tl.load(logits_ptr + row.to(tl.int64) * row_stride + tokens, mask=tokens < vocab,
@@ -41,7 +46,10 @@ def chunk_sums(logits_ptr, stats_ptr, vocab, row_stride, inv_temperature, CHUNK:
 
 @triton.jit
 def draw_in_chunk(logits_ptr, stats_ptr, seed_ptr, token_ptr, log_prob_ptr, vocab, row_stride, inv_temperature,
-                  CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, GREEDY: tl.constexpr):
+                  CHUNK: tl.constexpr, CHUNKS: tl.constexpr, CHUNKS_PAD: tl.constexpr, GREEDY: tl.constexpr,
+                  PDL: tl.constexpr):
+    if PDL:  # launched before the chunks' sums are written: wait for them
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     chunks = tl.arange(0, CHUNKS_PAD)
     at = (row * CHUNKS + chunks) * 3
@@ -85,12 +93,13 @@ def draw_tokens(logits: torch.Tensor, inv_temperature: float, greedy: bool) -> t
     seed = torch.randint(2 ** 31 - 1, (1,), device=logits.device, dtype=torch.int64)
     token = logits.new_empty(rows, dtype=torch.int64)
     log_prob = logits.new_empty(rows, dtype=torch.float32)
+    pdl = gpu_limits(logits.device.index)[2]  # as the decode step's other kernels
     with torch.cuda.device(logits.device):
         chunk_sums[(rows, chunks)](logits, stats, vocab, logits.stride(0), inv_temperature, CHUNK=CHUNK,
-                                   CHUNKS=chunks, GREEDY=greedy, num_warps=4)
+                                   CHUNKS=chunks, GREEDY=greedy, PDL=pdl, num_warps=4, launch_pdl=pdl)
         draw_in_chunk[(rows,)](logits, stats, seed, token, log_prob, vocab, logits.stride(0), inv_temperature,
                                CHUNK=CHUNK, CHUNKS=chunks, CHUNKS_PAD=triton.next_power_of_2(chunks), GREEDY=greedy,
-                               num_warps=4)
+                               PDL=pdl, num_warps=4, launch_pdl=pdl)
     return token, log_prob
 
 
