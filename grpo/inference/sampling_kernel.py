@@ -27,6 +27,13 @@ CHUNK = 2048
 
 
 @triton.jit
+def scaled_logits(logits_ptr, row, row_stride, tokens, vocab, inv_temperature):
+    """Row ``row``'s logits at ``tokens`` times ``inv_temperature``, in float32; -inf past the vocabulary."""
+    return (tl.load(logits_ptr + row.to(tl.int64) * row_stride + tokens, mask=tokens < vocab,
+                    other=float("-inf")).to(tl.float32) * inv_temperature).to(tl.float32)
+
+
+@triton.jit
 def chunk_sums(logits_ptr, stats_ptr, vocab, row_stride, inv_temperature, CHUNK: tl.constexpr,
                CHUNKS: tl.constexpr, GREEDY: tl.constexpr, PDL: tl.constexpr):
     """Each chunk's maximum scaled logit, the sum of exp(scaled logit - maximum) and (greedy) the first token at it."""
@@ -34,8 +41,7 @@ def chunk_sums(logits_ptr, stats_ptr, vocab, row_stride, inv_temperature, CHUNK:
         tl.extra.cuda.gdc_wait()
     row, chunk = tl.program_id(0), tl.program_id(1)
     tokens = chunk * CHUNK + tl.arange(0, CHUNK)
-    scaled = (tl.load(logits_ptr + row.to(tl.int64) * row_stride + tokens, mask=tokens < vocab,
-                      other=float("-inf")).to(tl.float32) * inv_temperature).to(tl.float32)
+    scaled = scaled_logits(logits_ptr, row, row_stride, tokens, vocab, inv_temperature)
     top = tl.max(scaled, 0)  # a chunk always holds a token: the chunks are cdiv(vocab, CHUNK)
     at = (row * CHUNKS + chunk) * 3
     tl.store(stats_ptr + at, top)
@@ -69,8 +75,7 @@ def draw_in_chunk(logits_ptr, stats_ptr, seed_ptr, token_ptr, log_prob_ptr, voca
         # ... then a token of it by its probability within it (the random numbers' offsets after the chunks')
         lanes = tl.arange(0, CHUNK)
         tokens = chunk * CHUNK + lanes
-        scaled = (tl.load(logits_ptr + row.to(tl.int64) * row_stride + tokens, mask=tokens < vocab,
-                          other=float("-inf")).to(tl.float32) * inv_temperature).to(tl.float32)
+        scaled = scaled_logits(logits_ptr, row, row_stride, tokens, vocab, inv_temperature)
         uniform = tl.rand(seed, tl.num_programs(0) * CHUNKS_PAD + row * CHUNK + lanes)
         keys = scaled - tl.log(-tl.log(uniform))  # uniform 0, or a token past the vocabulary: -inf, never drawn
         best = tl.argmax(keys, 0)
