@@ -116,8 +116,7 @@ def main(argv=None):
         ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
         ray_mod = ray
     convert_s, replies = best_of(args.repeats, lambda: Replies.from_collector(batch))
-    dense_s, _ = best_of(args.repeats, lambda: rollout_metrics(replies, to_training_batch(replies, pad_token_id,
-                                                                                          stop_ids)))
+    dense_s, _ = best_of(args.repeats, lambda: rollout_metrics(replies, to_training_batch(replies, pad_token_id)))
     print(json.dumps({"convert_s": convert_s, "dense_s": dense_s}), flush=True)
     before, after = measure("collector tensordict", batch, args, ray_mod), measure("Replies", replies, args, ray_mod)
     ratios = {k: before[k] / after[k] for k in after if k != "form" and after[k] > 0}

@@ -77,7 +77,7 @@ def rank_main(args) -> None:
     batch, prompt_len, reply_len = synthetic_batch(len(tokenizer), args, args.lengths, tokenizer.pad_token_id)
     with torch.no_grad():  # on-policy: the sampler's log-probs are the policy's own, scored before it is sharded
         batch["behaviour_log_probs"] = score_replies(batch, ReplyLogProbs(policy), GRPOSettings.from_config(cfg)).float()
-    trainer = Trainer(cfg, policy, None, pad_token_id=tokenizer.pad_token_id, stop_token_ids=[], world=world)
+    trainer = Trainer(cfg, policy, None, pad_token_id=tokenizer.pad_token_id, world=world)
     times = []
     for call in range(1 + args.repeats):
         if device.type == "cuda":

@@ -136,7 +136,7 @@ def main(argv=None) -> None:
                         model.load_state_dict(initial)
                     optimizer = make_optimizer(cfg, model)
                     step = GRPOStep(settings, policy=policy, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 10),
-                                    pad_token_id=tokenizer.pad_token_id, stop_token_ids=[])
+                                    pad_token_id=tokenizer.pad_token_id)
                     torch.manual_seed(args.seed)  # the same minibatches for every variant
                     if device.type == "cuda":
                         torch.cuda.synchronize()

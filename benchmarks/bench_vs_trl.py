@@ -223,7 +223,7 @@ class GreedyEvaluator:
                                           gen_kwargs={"max_new_tokens": self.max_new_tokens, "do_sample": False,
                                                       "eos_token_id": stop_ids, "pad_token_id": self.tokenizer.pad_token_id})
         t0 = time.perf_counter()
-        result, _ = evaluate(self.env, policy, self.num_problems, self.fields, stop_ids)
+        result, _ = evaluate(self.env, policy, self.num_problems, self.fields)
         result["eval/time_s"] = time.perf_counter() - t0
         model.train(was_training)
         return result

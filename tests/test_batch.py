@@ -22,7 +22,7 @@ def test_a_reply_ends_at_its_first_stop_token():
         ([5, 6], [8, 9, 10, 11, 12], [-0.2] * 5),                                # cut at max_new_tokens
         ([5], [8, PAD], [-0.3, -0.4]),                                          # ended by the pad token
     )
-    batch = to_training_batch(data, pad_token_id=PAD, stop_token_ids=[PAD, EOS])
+    batch = to_training_batch(data, pad_token_id=PAD)
     assert batch["reply_length"].tolist() == [3, 5, 2]
     assert batch["reply_mask"].sum(-1).tolist() == [3, 5, 2]
     assert batch["reply_stopped"].tolist() == [True, False, True]

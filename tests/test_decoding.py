@@ -321,7 +321,8 @@ def test_a_policy_that_trains_samples_through_fused_copies_that_its_updates_reac
     plain = ReplySampler(twin, compile=False, cache_bucket=64, compact_rows=False, fuse_shared=False)
     q_proj = policy.model.layers[0].self_attn.q_proj
     seen = []
-    fused.on_sampled = lambda prompts, replies: seen.append(type(policy.model.layers[0].self_attn.q_proj).__name__)
+    sample = fused.sample  # what the decode loop runs on, seen from inside it
+    fused.sample = lambda *a, **k: seen.append(type(policy.model.layers[0].self_attn.q_proj).__name__) or sample(*a, **k)
     ids, mask = prompts(tok)
     outputs = []
     for update in range(2):

@@ -61,7 +61,7 @@ def test_replies_end_at_their_first_stop_token_when_the_model_pads_with_eos(tiny
     assert len({r.numel() for r in replies}) > 1, "finished replies must keep their own length"
     for r in stopped:
         assert torch.isin(r[-1:], torch.tensor(stop_ids)).all() and not torch.isin(r[:-1], torch.tensor(stop_ids)).any()
-    batch = to_training_batch(Replies.from_collector(rollouts), pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
+    batch = to_training_batch(Replies.from_collector(rollouts), pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         trainer_lp = reply_log_probs(model, batch)
     mask = batch["reply_mask"]
@@ -79,7 +79,7 @@ def test_top_k_is_off_by_default_and_reaches_generate(tiny):
     def outside_top(k_rank: int, **overrides) -> int:
         rollouts, policy, _ = sampled_rollouts(cfg, tok, model, **overrides)
         assert policy.generate_kwargs["top_k"] == cfg.inference_model.top_k
-        batch = to_training_batch(Replies.from_collector(rollouts), pad_token_id=tok.pad_token_id, stop_token_ids=[])
+        batch = to_training_batch(Replies.from_collector(rollouts), pad_token_id=tok.pad_token_id)
         width_r = batch["reply_mask"].shape[1]
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"].long(),

@@ -56,19 +56,19 @@ def test_samples_are_the_first_prompts_replies_with_their_rewards(rollouts):
     rewards = batch.get(("next", "reward")).flatten().tolist()
     firsts = list(dict.fromkeys(rows))
     assert len(firsts) == 2
-    samples = reply_samples(Replies.from_collector(batch), 1, tok, stop_ids)
+    samples = reply_samples(Replies.from_collector(batch), 1, tok)
     picked = [i for i, row in enumerate(rows) if row == firsts[0]]
     assert len(samples) == len(picked) == 4
     for sample, i in zip(samples, picked):  # the reply as TorchRL's transformers wrapper parsed it, too
         assert sample == {"group": 0, "row": firsts[0], "prompt": data[firsts[0]]["question"], "reward": rewards[i],
                           "reply": batch[i]["history", "response"].content[-1]}
-    every = reply_samples(Replies.from_collector(batch), 5, tok, stop_ids)  # more than the batch holds: all of it
+    every = reply_samples(Replies.from_collector(batch), 5, tok)  # more than the batch holds: all of it
     assert [(s["group"], s["row"], s["reward"]) for s in every] == [(firsts.index(r), r, w) for r, w in zip(rows, rewards)]
 
 
 def test_samples_are_in_the_file_as_soon_as_logged_and_on_the_console(rollouts, tmp_path, capsys):
     batch, tok, stop_ids, _ = rollouts
-    samples = reply_samples(Replies.from_collector(batch), 2, tok, stop_ids)
+    samples = reply_samples(Replies.from_collector(batch), 2, tok)
     logger = RunLogger(tmp_path, compose("grpo_tiny", ["logger=none"]), {})
     try:
         logger.log_samples(3, samples[:4])

@@ -51,8 +51,7 @@ def real_step(request):
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
     optimizer = make_optimizer(cfg, policy)
     step = GRPOStep(GRPOSettings.from_config(cfg), policy=ReplyLogProbs(policy), optimizer=optimizer,
-                    scheduler=make_scheduler(cfg, optimizer, 1), ref_model=ref, pad_token_id=tok.pad_token_id,
-                    stop_token_ids=stop_ids)
+                    scheduler=make_scheduler(cfg, optimizer, 1), ref_model=ref, pad_token_id=tok.pad_token_id)
     batch, stats = step.prepare(rollouts)
     stats |= step.optimize(batch)
     return tok, rollouts, batch, stats, before, policy

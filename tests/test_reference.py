@@ -28,7 +28,7 @@ def reference(tiny_model_dir):
     # step's batch are cut differently
     settings = dataclasses.replace(GRPOSettings.from_config(cfg), micro_batch_size=3, micro_batch_tokens=None,
                                    ref_micro_batch_tokens=None)
-    return lambda: ReferenceScores(ReplyLogProbs(model), settings, pad_token_id=PAD, stop_token_ids=[PAD, EOS])
+    return lambda: ReferenceScores(ReplyLogProbs(model), settings, pad_token_id=PAD)
 
 
 def sampled(n: int, seed: int):
@@ -168,7 +168,7 @@ def test_a_token_budget_of_its_own_cuts_the_reference_s_forwards_by_tokens_alone
         for budget in (10_000, 1):
             shapes.clear()
             by_tokens = ReferenceScores(by_rows.scorer, dataclasses.replace(by_rows.s, ref_micro_batch_tokens=budget),
-                                        pad_token_id=PAD, stop_token_ids=[PAD, EOS])
+                                        pad_token_id=PAD)
             scores, _ = by_tokens(batch)
             forwards[budget] = len(shapes)
             torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)

@@ -43,7 +43,7 @@ def setup(tiny_model_dir, tiny_data_dir):
                                       gen_kwargs=generate_kwargs(settings, tok, greedy=False, max_new_tokens=24,
                                                                  stop_ids=stop_ids))
     rollouts = next(iter(LLMCollector(env, policy=policy, dialog_turns_per_batch=8, total_dialog_turns=-1))).reshape(-1)
-    batch = to_training_batch(Replies.from_collector(rollouts), tok.pad_token_id, stop_ids)
+    batch = to_training_batch(Replies.from_collector(rollouts), tok.pad_token_id)
     batch["advantage"] = group_advantages(batch["reward"], batch["group_id"])
     assert len(set(batch["reply_length"].tolist())) > 1, "the test needs replies of different lengths"
     return cfg, tok, model, rollouts, batch
@@ -238,7 +238,7 @@ def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
     replies = Replies.from_sequences(prompts=[[0, 1, 2], [0, 1]], replies=[[3, 4], [2]],
                                      log_probs=[[-1.0, -2.0], [-0.5]], reward=[1.0, 1.0], success=[True, True],
                                      row_index=[0, 1], user_prompts=["a", "b"])
-    batch = to_training_batch(replies, pad_token_id=0, stop_token_ids=[])
+    batch = to_training_batch(replies, pad_token_id=0)
     batch["ref_log_probs"] = torch.tensor([[-1.5, -2.0], [-0.1, 0.0]])
 
     def k3(beh, ref):
@@ -255,7 +255,7 @@ def make_step(cfg, model, ref_model=None, **settings) -> GRPOStep:
     settings = dataclasses.replace(GRPOSettings.from_config(cfg), **settings)
     return GRPOStep(settings, policy=ReplyLogProbs(model, packed=settings.packed_sequences),
                     optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), ref_model=ref_model,
-                    pad_token_id=0, stop_token_ids=[])
+                    pad_token_id=0)
 
 
 def test_optimize_steps_once_per_minibatch_and_starts_on_policy(setup):

@@ -61,7 +61,7 @@ def test_the_trainer_counts_versions_and_knows_a_half_done_update(tiny_model_dir
     cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}"])
     tok = load_tokenizer(cfg.model.name)
     model = load_policy_model(cfg, tok, torch.device("cpu"))
-    trainer = Trainer(cfg, model, None, pad_token_id=tok.pad_token_id, stop_token_ids=[tok.eos_token_id])
+    trainer = Trainer(cfg, model, None, pad_token_id=tok.pad_token_id)
     trainer.grpo_step = StandInStep(trainer.optimizer)
     assert trainer.update("ok", step=1) == {"optim_steps": 2, "policy_version": 2}
     assert (trainer.policy_version, trainer.completed_step, trainer.half_updated) == (2, 1, False)
@@ -94,7 +94,7 @@ def test_the_trainer_scores_the_tempered_policy_the_engine_sampled_from(tiny_mod
         env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
         collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch)
         rollouts = Replies.from_collector(next(iter(collector)))
-        trainer = Trainer(cfg, model, ref, pad_token_id=tok.pad_token_id, stop_token_ids=stop_ids)
+        trainer = Trainer(cfg, model, ref, pad_token_id=tok.pad_token_id)
         metrics = trainer.update(rollouts, step=1)
     finally:
         engine.shutdown()

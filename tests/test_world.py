@@ -41,8 +41,7 @@ def rank_trainer(rank: int, size: int, port: int, model_dir: str, data_dir: str,
     tok = load_tokenizer(cfg.model.name)
     cpu = torch.device("cpu")
     policy, ref = load_policy_model(cfg, tok, cpu), load_reference_model(cfg, tok, cpu)
-    return world, Trainer(cfg, policy, ref, pad_token_id=tok.pad_token_id,
-                          stop_token_ids=stop_token_ids(tok, policy.generation_config), world=world)
+    return world, Trainer(cfg, policy, ref, pad_token_id=tok.pad_token_id, world=world)
 
 
 def whole_weights(trainer: Trainer) -> dict:

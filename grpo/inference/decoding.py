@@ -164,9 +164,6 @@ class ReplySampler(torch.nn.Module):
         self.sampler_kernel = sampler_kernel
         self.batch_sizes: list[int] = []  # the last generate call's decode batches, first to last
         self.seconds = 0.0  # in generate calls so far, until their replies were on the GPU
-        # called with each sampled (not greedy) batch's prompt and reply ids (CPU tensors, a list each) as they
-        # leave the GPU: the reference scores them meanwhile (grpo.training.reference)
-        self.on_sampled = None
         self.cache_name = cache_argument(model)
         use_project_attention(model)
         trained = any(p.requires_grad for p in model.parameters())
@@ -249,7 +246,6 @@ class ReplySampler(torch.nn.Module):
             raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
         start = time.perf_counter()
         home, device = input_ids.device, self.model.device  # replies go back where the prompts came from
-        prompt_mask = attention_mask
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         batch, prompt_len = input_ids.shape
         sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -300,11 +296,6 @@ class ReplySampler(torch.nn.Module):
         if device.type == "cuda":  # so that self.seconds is the decoding's (a copy to the CPU waits anyway)
             torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - start
-        if do_sample and self.on_sampled is not None:
-            # as the policy hands replies on: without pad tokens (a sampled pad, which ends a reply, too)
-            sequences, prompt_mask = out["sequences"].cpu(), prompt_mask.cpu().bool()
-            self.on_sampled([row[:prompt_len][mask] for row, mask in zip(sequences, prompt_mask)],
-                            [reply[reply != pad_token_id] for reply in sequences[:, prompt_len:]])
         return out
 
     def compact(self, buf, cache, rows, size, max_new_tokens, stop_ids, pad_token_id, sampling):

@@ -8,8 +8,8 @@ import time
 import torch
 
 from grpo.inference.decoding import ReplySampler
+from grpo.inference.episode_policy import EnginePolicies, EpisodePolicy, pad_prompts
 from grpo.inference.generation import EngineSettings, InferenceEngine, as_state_dict, generate_kwargs, weights_checksum
-from grpo.inference.reply_policy import ReplyPolicy
 from grpo.process.world import is_sharded
 from grpo.training.models import load_causal_lm, torch_dtype
 
@@ -26,7 +26,7 @@ def make_inference(settings: EngineSettings, policy_model, tokenizer, device: to
     return VLLMInference(settings, policy_model, tokenizer, device, stop_ids)
 
 
-class TransformersInference:
+class TransformersInference(EnginePolicies):
     """Generation with transformers models and our decode loop (``grpo.inference.decoding``): an ``InferenceEngine``.
 
     When generation runs on the training device in the same dtype, it uses the training model
@@ -63,14 +63,6 @@ class TransformersInference:
     def generate_s(self) -> float:
         return self.sampler.seconds
 
-    @property
-    def on_sampled(self):
-        return self.sampler.on_sampled
-
-    @on_sampled.setter
-    def on_sampled(self, callback) -> None:
-        self.sampler.on_sampled = callback
-
     @torch.no_grad()
     def push_weights(self, source, version: int) -> float:
         """Make generation use new weights (a model, or a plain HF state dict); returns the seconds it took."""
@@ -91,8 +83,18 @@ class TransformersInference:
         pass
 
 
-def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict) -> ReplyPolicy:
-    """Generation in history mode: chat prompts in, sampled replies plus their log-probs out. The policy's tensors
-    stay on the CPU, where envs, rewards and buffers live: the sampler takes the prompt batch to its GPU and hands
-    back the replies as two CPU tensors."""
-    return ReplyPolicy(sampler, tokenizer, gen_kwargs)
+def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict) -> EpisodePolicy:
+    """The episode policy over ``sampler`` with ``generate_kwargs`` (sampled or greedy; the reply cap a turn). Its
+    tensors stay on the CPU, where envs, rewards and buffers live: the sampler takes each turn's prompts to its GPU
+    and hands back the replies as CPU tensors."""
+    pad = gen_kwargs["pad_token_id"]
+
+    def sample(prompts: list[torch.Tensor], max_new_tokens: int):
+        input_ids, attention_mask = pad_prompts(prompts, pad)
+        out = sampler.generate(input_ids, attention_mask, **{**gen_kwargs, "max_new_tokens": max_new_tokens})
+        generated = out["sequences"][:, input_ids.shape[1]:]
+        kept = generated != pad  # a sampled pad ends a reply, as the rest of the rows' padding does
+        return [(reply[keep], lp[keep]) for reply, lp, keep in zip(generated, out["logits"].T, kept)]
+
+    return EpisodePolicy(sample, tokenizer, max_new_tokens=gen_kwargs["max_new_tokens"],
+                         stop_ids=list(gen_kwargs["eos_token_id"]), pad_id=pad)

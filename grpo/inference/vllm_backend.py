@@ -17,7 +17,8 @@ from functools import partial
 import torch
 from torchrl.modules.llm import vLLMWrapper
 
-from grpo.inference.generation import (EngineSettings, as_state_dict, generate_kwargs, no_nested_tensor_notice,
+from grpo.inference.episode_policy import EnginePolicies, EpisodePolicy
+from grpo.inference.generation import (EngineSettings, as_state_dict, no_nested_tensor_notice,
                                       weights_checksum)
 from grpo.inference.vllm_import import import_vllm
 from grpo.process.errors import ConfigError
@@ -269,7 +270,7 @@ def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, inp
                             generate_kwargs=generate_kwargs, **wrapper_kwargs)
 
 
-class VLLMInference:
+class VLLMInference(EnginePolicies):
     """Rollout and eval generation on an in-process vLLM engine, for ``inference_model.backend=vllm``:
     an ``InferenceEngine``. The engine loads ``settings.model_name`` and then receives ``policy_model``'s
     weights (so a resumed or LoRA-wrapped policy is served as it is now); with ``policy_model=None``
@@ -295,35 +296,35 @@ class VLLMInference:
             gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=is_cpu or im.enforce_eager, seed=im.seed,
             cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level)
 
-        def vllm_policy(greedy: bool, max_new_tokens: int):
-            # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing, and stops
-            # on the same ids once they are its stop_token_ids, which TorchRL's wrapper does not
-            # forward, so they are set on its SamplingParams
-            kwargs = generate_kwargs(im, tokenizer, greedy=greedy, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
-            kwargs.pop("eos_token_id"), kwargs.pop("pad_token_id")
-            if kwargs.get("top_k") == 0:  # TorchRL refuses 0; vLLM's own default is off
-                kwargs.pop("top_k")
-            policy = make_vllm_policy(self.llm, tokenizer, generate_kwargs=kwargs)
-            policy.sampling_params.stop_token_ids = stop_ids
-            return policy
-
-        self.policy = vllm_policy(False, im.max_new_tokens)
-        self.greedy_policy = vllm_policy(True, im.eval_max_new_tokens)
+        # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing and stops on stop_token_ids;
+        # logprobs=0: the sampled token's log-prob alone; top_k 0 is transformers' "off", vLLM's is -1
+        vllm = import_vllm()
+        self.sampling_params = {greedy: vllm.SamplingParams(
+            temperature=0.0 if greedy else im.temperature, top_p=1.0 if greedy else im.top_p,
+            top_k=-1 if greedy or im.top_k == 0 else im.top_k, stop_token_ids=list(stop_ids), logprobs=0,
+            detokenize=False) for greedy in (False, True)}
+        self.generate_s = 0.0
+        self.policy, self.greedy_policy = (
+            EpisodePolicy(partial(self.sample, greedy=greedy), tokenizer, max_new_tokens=cap, stop_ids=stop_ids,
+                          pad_id=tokenizer.pad_token_id)
+            for greedy, cap in ((False, im.max_new_tokens), (True, im.eval_max_new_tokens)))
         self.version = None
         if policy_model is not None:
             self.push_weights(policy_model, version=0)
 
-    @property
-    def generate_s(self) -> float:
-        return sum(policy.generate_s for policy in (self.policy, self.greedy_policy) if policy is not None)
-
-    @property
-    def on_sampled(self):
-        return self.policy.on_sampled
-
-    @on_sampled.setter
-    def on_sampled(self, callback) -> None:
-        self.policy.on_sampled = callback
+    def sample(self, prompts: list[torch.Tensor], max_new_tokens: int, *, greedy: bool):
+        """Each prompt's reply (token ids, through its stop token) and the sampled tokens' log-probs, CPU."""
+        params = self.sampling_params[greedy].clone()
+        params.max_tokens = max_new_tokens
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
+        self.generate_s += time.perf_counter() - start
+        replies = []
+        for out in outputs:
+            reply = out.outputs[0]
+            replies.append((torch.tensor(reply.token_ids, dtype=torch.long),
+                            torch.tensor([step[token].logprob for token, step in zip(reply.token_ids, reply.logprobs)])))
+        return replies
 
     def push_weights(self, source, version: int) -> float:
         """Copy new weights (a model, a peft model or an HF state dict) into the engine; seconds."""

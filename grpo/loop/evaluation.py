@@ -11,31 +11,34 @@ from tqdm import tqdm
 
 
 @torch.no_grad()
-def evaluate(env, policy, num_problems: int, fields: dict[str, str], stop_ids: list[int]) -> tuple[dict, list[float]]:
+def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[dict, list[float]]:
     """Greedy replies to the first ``num_problems`` held-out prompts: the eval row, and each problem's score
     (``eval/accuracy``'s, in problem order).
 
     ``fields`` maps eval metric names to the env's per-reply outputs (``success``, per-task
     accuracies); each is averaged over the problems (IFEval instruction-level accuracies are
-    thus macro-averaged over prompts). Reply length and the share of replies cut at the token cap
-    (their last token is none of ``stop_ids``) come with them: a recipe that collapses to short or
-    endless replies shows here. ``eval/accuracy_stderr`` is the accuracy's standard error over the problems.
+    thus macro-averaged over prompts). Reply length (the model's own tokens), the share of episodes cut short of
+    a final answer, turns and tool calls per episode come with them: a recipe that collapses to short or
+    endless replies, or stops calling its tool, shows here. ``eval/accuracy_stderr`` is the accuracy's standard
+    error over the problems.
     """
     env.reset_dataloader()  # always the same problems, from the start of the split
     values = {name: [] for name in [*fields, "reward"]}
-    lengths, truncated = [], []
-    while len(lengths) < num_problems:
+    episode = {"response_length": [], "truncated_fraction": [], "turns": [], "tool_calls_per_episode": []}
+    while len(episode["turns"]) < num_problems:
         td = env.step(policy(env.reset()))
         for name, key in [*fields.items(), ("reward", "reward")]:
             values[name] += td["next", key].flatten().float().tolist()
-        for reply in (s["tokens", "response"] for s in td.unbind(0)):
-            lengths.append(reply.shape[-1])
-            truncated.append(reply.numel() == 0 or int(reply[-1]) not in stop_ids)
+        for row in td.unbind(0):
+            episode["response_length"].append(int(row["episode", "sampled_mask"].sum()))
+            episode["truncated_fraction"].append(float(row["episode", "truncated"]))
+            episode["turns"].append(int(row["episode", "turns"]))
+            episode["tool_calls_per_episode"].append(int(row["episode", "tool_calls"]))
     n = num_problems
     result = {f"eval/{name}": sum(v[:n]) / n for name, v in values.items()}
+    result |= {f"eval/{name}": sum(v[:n]) / n for name, v in episode.items()}
     scores = values[next(iter(fields))][:n]
-    return result | {"eval/accuracy_stderr": standard_error(scores), "eval/response_length": sum(lengths[:n]) / n,
-                     "eval/truncated_fraction": sum(truncated[:n]) / n, "eval/num_problems": n}, scores
+    return result | {"eval/accuracy_stderr": standard_error(scores), "eval/num_problems": n}, scores
 
 
 def standard_error(values: list[float]) -> float:
@@ -70,9 +73,9 @@ class Evaluator:
     """Greedy held-out eval every ``eval.frequency`` steps and at the last, with this process's engine
     (the one that generates rollouts in sync, an eval-only one in async), given the trainer's weights first."""
 
-    def __init__(self, cfg, env, engine, *, num_problems: int, fields: dict[str, str], stop_ids: list[int],
+    def __init__(self, cfg, env, engine, *, num_problems: int, fields: dict[str, str],
                  last_eval_step: int | None = None):
-        self.env, self.engine, self.num_problems, self.fields, self.stop_ids = env, engine, num_problems, fields, stop_ids
+        self.env, self.engine, self.num_problems, self.fields = env, engine, num_problems, fields
         self.frequency, self.total_steps = cfg.eval.frequency, cfg.train.total_steps
         self.last_eval_step = last_eval_step
 
@@ -83,7 +86,7 @@ class Evaluator:
         t0 = time.perf_counter()
         if self.engine.version != trainer.policy_version:  # rollout workers elsewhere got the weights, it did not
             self.engine.push_weights(trainer.engine_weights(), trainer.policy_version)
-        result, scores = evaluate(self.env, self.engine.greedy_policy, self.num_problems, self.fields, self.stop_ids)
+        result, scores = evaluate(self.env, self.engine.greedy_policy, self.num_problems, self.fields)
         result |= gain_since(logger.first_eval_scores(), scores)
         logger.log({"step": step, **result, "eval/time_s": time.perf_counter() - t0})
         logger.log_eval_scores(step, scores)

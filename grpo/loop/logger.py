@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from grpo.process.errors import RunDirError
 from grpo.rollout.replies import Replies
-from grpo.training.batch import group_ids, through_first_stop
+from grpo.training.batch import group_ids
 
 # metrics.png: one panel per entry, its metrics as lines (eval rows as markers, with error bars where a
 # <name>_stderr is logged). Held-out accuracy sits beside its strict and flexible forms, and reply length and
@@ -127,19 +127,29 @@ class RunLogger:
             warnings.warn(f"metrics.png not written ({err.strerror or err}); metrics.jsonl holds the same rows")
 
 
-def reply_samples(replies: Replies, count: int, tokenizer, stop_ids: list[int]) -> list[dict]:
-    """Every reply to the batch's first ``count`` prompts, one row each: ``group`` (the prompt's place among
+def reply_samples(replies: Replies, count: int, tokenizer) -> list[dict]:
+    """Every episode of the batch's first ``count`` prompts, one row each: ``group`` (the prompt's place among
     the batch's prompts), ``row`` (its data row), ``prompt`` (the user's message, as the chat history holds
-    it), ``reply`` (its tokens through the first stop token, as trained on, decoded without special tokens:
-    the engines' history texts differ there) and ``reward`` (the env's, before any KL term)."""
-    stops = torch.tensor(stop_ids)
+    it), ``reply`` (the episode's tokens as trained on, decoded without special tokens; the environment's turns
+    marked ``⟦env: ...⟧``) and ``reward`` (the env's, before any KL term)."""
     samples = []
-    for group, row, prompt, reply, reward in zip(group_ids(replies).tolist(), replies.row_index.tolist(),
-                                                 replies.user_prompts, replies.replies(), replies.reward.tolist()):
+    for group, row, prompt, reply, sampled, reward in zip(
+            group_ids(replies).tolist(), replies.row_index.tolist(), replies.user_prompts, replies.replies(),
+            replies.sampled_masks(), replies.reward.tolist()):
         if group < count:
-            reply = tokenizer.decode(reply[:through_first_stop(reply, stops)], skip_special_tokens=True)
-            samples.append({"group": group, "row": row, "prompt": prompt, "reply": reply, "reward": reward})
+            samples.append({"group": group, "row": row, "prompt": prompt, "reply": episode_text(reply, sampled, tokenizer),
+                            "reward": reward})
     return samples
+
+
+def episode_text(tokens: torch.Tensor, sampled: torch.Tensor, tokenizer) -> str:
+    """An episode as one text: the model's turns as decoded, each environment turn as ``⟦env: its text⟧``."""
+    pieces, start = [], 0
+    for end in [*(torch.nonzero(sampled[1:] != sampled[:-1])[:, 0] + 1).tolist(), len(tokens)]:
+        text = tokenizer.decode(tokens[start:end], skip_special_tokens=True)
+        pieces.append(text if bool(sampled[start]) else f" ⟦env: {text.strip()}⟧ ")
+        start = end
+    return "".join(pieces).strip()
 
 
 def console_lines(step: int, rows: list[dict]) -> list[str]:

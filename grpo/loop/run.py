@@ -42,6 +42,7 @@ from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
 from grpo.tasks.envs import load_splits, make_env, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
+from grpo.tasks.tool_env import make_turn_env, tool_stop_ids
 from grpo.training import checkpoint as ckpt
 from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
@@ -75,7 +76,7 @@ class Run:
         every = self.cfg.logging.samples_every
         if every and self.step % every == 0:
             self.records.logger.log_samples(self.step, reply_samples(rollouts, self.cfg.logging.samples_count,
-                                                                     self.tokenizer, self.stop_ids))
+                                                                     self.tokenizer))
         return self.trainer.update(rollouts, self.step)
 
     def evaluate_if_due(self, force: bool = False) -> None:
@@ -160,9 +161,10 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     check_prompt_text(cfg, tokenizer, splits)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
     trainer = make_trainer(cfg, tokenizer, devices, World.from_env())
-    stop_ids = stop_token_ids(tokenizer, trainer.policy_model.generation_config)
+    stop_ids = episode_stop_ids(cfg, tokenizer, trainer.policy_model.generation_config)
     engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
+    engine.turn_env = make_turn_env(cfg, tokenizer)  # what answers between turns (None: one turn an episode)
     trainer.take_samples_from(engine)  # ref_model.score_early: the reference scores replies as they are sampled
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,
@@ -181,7 +183,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
                 **{f"devices/{k}": str(v) for k, v in devices.as_dict().items()}})
     counters = payload["counters"] if payload else {"step": 0, "last_eval_step": None}
     evaluator = Evaluator(cfg, eval_env, engine, num_problems=num_eval_problems, fields=task_of(cfg).eval_fields,
-                          stop_ids=stop_ids, last_eval_step=None if eval_only else counters["last_eval_step"])
+                          last_eval_step=None if eval_only else counters["last_eval_step"])
     if payload:  # eval only: the checkpoint is evaluated here
         trainer.restore(payload, last_checkpoint[1])  # RNG states last of all
         engine.push_weights(trainer.engine_weights(), trainer.policy_version)
@@ -191,6 +193,11 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
                evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
+
+
+def episode_stop_ids(cfg, tokenizer, generation_config) -> list[int]:
+    """Every id that ends an assistant turn: the model's (``stop_token_ids``) and a tool call's closing tag."""
+    return sorted({*stop_token_ids(tokenizer, generation_config), *tool_stop_ids(cfg, tokenizer)})
 
 
 def checkpoints_at_once(cfg, start_step: int, written: int) -> int:
@@ -212,8 +219,7 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
         torch.cuda.set_device(gpu)
     policy_model = load_policy_model(cfg, tokenizer, own.torch_device("train"))
     ref_model = load_reference_model(cfg, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
-    trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id,
-                      stop_token_ids=stop_token_ids(tokenizer, policy_model.generation_config), world=world)
+    trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, world=world)
     world.lead("start", cfg, devices)
     return trainer
 
@@ -239,7 +245,7 @@ def follow_run(own_gpu: int | None = None) -> int:
     if devices.generating_ranks == 1:
         return trainer.follow()
     # sync with an engine per rank: this rank generates its share of every step too
-    generation = RankGeneration(cfg, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config),
+    generation = RankGeneration(cfg, tokenizer, episode_stop_ids(cfg, tokenizer, trainer.policy_model.generation_config),
                                 devices.for_rank(world.rank, world.size).torch_device("inference"), world)
     try:
         return trainer.follow(generation)

@@ -31,6 +31,7 @@ from grpo.rollout.dynamic_sampling import env_batches_per_draw
 from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, data_primer, serve_from
 from grpo.tasks.envs import make_collector, make_env
+from grpo.tasks.tool_env import make_turn_env
 from grpo.tasks.user_rewards import take_reward_seconds
 
 
@@ -146,6 +147,7 @@ class RankGeneration:
         if self.engine is None:
             self.engine = make_inference(EngineSettings.from_config(self.cfg), weights, self.tokenizer,
                                          stop_ids=self.stop_ids, device=self.device)
+            self.engine.turn_env = make_turn_env(self.cfg, self.tokenizer)
         else:
             self.engine.push_weights(weights, version)
 

@@ -27,6 +27,7 @@ from grpo.tasks.data import StreamLoader, data_primer, load_split
 from grpo.tasks.ifeval import load_ifeval_rows
 from grpo.tasks.ifeval_env import make_ifeval_env
 from grpo.tasks.rewards import GSM8KReward, parse_number, reference_answer
+from grpo.tasks.tool_env import env_tools
 from grpo.tasks.user_rewards import UserRewards, load_reward_functions, offered_arguments
 
 
@@ -257,15 +258,23 @@ class GroupPromptTokens(IncrementalTokenizer):
 
     Without prompt tokens TorchRL's wrappers render the chat template twice a reply (the prompt's text, then its
     tokens): 0.17 of the 0.44 s a 128-reply collection spent outside the sampler (one CPU thread,
-    benchmarks/bench_collection.py). A group's ``env.repeats`` replies share one prompt."""
+    benchmarks/bench_collection.py). A group's ``env.repeats`` replies share one prompt. ``tools``: rendered into
+    every prompt by the chat template (the tools of ``env.tools``)."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None = None):
+        super().__init__(tokenizer)
+        self.tools = tools
 
     def _tokenize_history(self, history, add_generation_prompt=None):
         prompts = [tuple(zip(roles, contents)) for roles, contents in zip(history.role, history.content)]
         first_row = {}
         for row, prompt in enumerate(prompts):
             first_row.setdefault(prompt, row)
-        tokens = dict(zip(first_row, super()._tokenize_history(history[list(first_row.values())],
-                                                               add_generation_prompt)))
+        distinct = history[list(first_row.values())]
+        rendered = distinct.apply_chat_template(
+            tokenizer=self.tokenizer, tokenize=True, padding=False, return_dict=True, tools=self.tools,
+            add_generation_prompt=self.add_generation_prompt if add_generation_prompt is None else add_generation_prompt)
+        tokens = dict(zip(first_row, rendered.get("input_ids", as_list=True)))
         return [tokens[prompt] for prompt in prompts]
 
     def _set_tokens(self, tensordict, tokens_list) -> None:
@@ -288,7 +297,7 @@ def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle
     scoring the replies to the rows it draws (its data primer's), and the prompts' tokens at each reset."""
     task = task_of(cfg)
     env = task.build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs, shuffle=shuffle)
-    env.append_transform(GroupPromptTokens(tokenizer))
+    env.append_transform(GroupPromptTokens(tokenizer, env_tools(cfg)))
     if cfg.reward.functions:
         env.append_transform(UserRewards(
             load_reward_functions(cfg.reward.functions), cfg.reward.weights, data_primer(env).dataloader.rows,

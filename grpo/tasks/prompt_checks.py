@@ -10,6 +10,7 @@ import math
 from grpo.process.errors import DataError
 from grpo.tasks.envs import column_values, prompt_column, task_system_prompt
 from grpo.tasks.rewards import special_token_pattern
+from grpo.tasks.tool_env import env_tools
 from grpo.training.models import wrapper_chat_template
 
 
@@ -24,16 +25,16 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     11 s and 1.8 GB at 100,000 rows, so a row is tokenised only when its upper bound
     (``PromptLengthBound``) does not fit, which for most data sets is no row at all.
     """
-    system = task_system_prompt(cfg)
+    system, tools = task_system_prompt(cfg), env_tools(cfg)
     column = prompt_column(cfg)
-    bound = PromptLengthBound(tokenizer, system)
+    bound = PromptLengthBound(tokenizer, system, tools)
     im = cfg.inference_model
     for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
                               (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
         prompts = column_values(splits[split], column)
         room = im.max_model_len - reply
         maybe_long = [i for i, prompt in enumerate(prompts) if bound(prompt) > room]
-        counts = dict(zip(maybe_long, prompt_token_counts(tokenizer, system, [prompts[i] for i in maybe_long])))
+        counts = dict(zip(maybe_long, prompt_token_counts(tokenizer, system, [prompts[i] for i in maybe_long], tools)))
         too_long = [i for i in maybe_long if counts[i] > room]
         if too_long:
             i = too_long[0]
@@ -49,14 +50,16 @@ def chat_turns(system: str | None, prompt: str) -> list[dict]:
     return [*([] if system is None else [{"role": "system", "content": system}]), {"role": "user", "content": prompt}]
 
 
-def prompt_token_counts(tokenizer, system: str | None, prompts: list[str], chunk: int = 1024) -> list[int]:
-    """Each prompt's tokens as the policy sees it, a chunk of prompts at a time: only their counts are kept."""
+def prompt_token_counts(tokenizer, system: str | None, prompts: list[str], tools: list[dict] | None = None,
+                        chunk: int = 1024) -> list[int]:
+    """Each prompt's tokens as the policy sees it (``tools`` rendered in), a chunk of prompts at a time: only their
+    counts are kept."""
     template = wrapper_chat_template(tokenizer)
     counts = []
     for start in range(0, len(prompts), chunk):
         ids = tokenizer.apply_chat_template(
             [chat_turns(system, p) for p in prompts[start:start + chunk]], chat_template=template,
-            add_generation_prompt=True, tokenize=True, return_dict=False,
+            add_generation_prompt=True, tokenize=True, return_dict=False, tools=tools,
             tokenizer_kwargs={"verbose": False})  # verbose: no "longer than the model's maximum" log line
         counts.extend(len(row_ids) for row_ids in ids)
     return counts
@@ -73,12 +76,12 @@ class PromptLengthBound:
     least one byte of that piece. Where the template changes the prompt's text, or the tokenizer is
     not a fast one, the bound is infinite and every prompt is tokenised."""
 
-    def __init__(self, tokenizer, system: str | None):
+    def __init__(self, tokenizer, system: str | None, tools: list[dict] | None = None):
         template = wrapper_chat_template(tokenizer)
 
         def render(prompt: str) -> str:
             return tokenizer.apply_chat_template(chat_turns(system, prompt), chat_template=template,
-                                                 add_generation_prompt=True, tokenize=False)
+                                                 add_generation_prompt=True, tokenize=False, tools=tools)
 
         backend = getattr(tokenizer, "backend_tokenizer", None)
         prefix, marker, suffix = render("\x00").partition("\x00")

@@ -258,6 +258,19 @@ def _import_module(where: str, key: str):
         raise ConfigError(f"{key}: importing {where} failed ({type(err).__name__}: {err}); fix it.") from err
 
 
+def import_object(spec: str, key: str):
+    """What ``module.path:Name`` or ``path/to/file.py:Name`` names (a user's class, say), imported; every problem
+    is a ConfigError naming ``key``."""
+    where, colon, name = str(spec).rpartition(":")
+    if not colon or not where or not name.isidentifier():
+        raise ConfigError(f"{key}={spec!r}: write module.path:Name or path/to/file.py:Name.")
+    module = _import_file(where, key) if where.endswith(".py") or "/" in where else _import_module(where, key)
+    found = getattr(module, name, None)
+    if found is None:
+        raise ConfigError(f"{key}: {where} defines no {name!r}; fix the name after the colon.")
+    return found
+
+
 def load_reward_functions(specs) -> list[RewardFunction]:
     return [load_reward_function(spec, i) for i, spec in enumerate(specs)]
 

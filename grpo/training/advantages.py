@@ -13,20 +13,23 @@ def overlong_penalty(reply_length: torch.Tensor, max_new_tokens: int, buffer: in
     return penalty * over / buffer
 
 
-def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
+def group_advantages(reward: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True,
+                     in_baseline: torch.Tensor | None = None) -> torch.Tensor:
     """(r - group mean) / group std (unbiased, floored at 1e-6): MCAdvantage's formula, vectorised.
     Without ``scale_by_std`` (Dr. GRPO), r - group mean: groups that barely differ are not inflated.
 
     Replies to the same prompt form a group, whatever their order in the batch. A lone reply
-    has no baseline and gets advantage 0 (MCAdvantage would give NaN).
+    has no baseline and gets advantage 0 (MCAdvantage would give NaN). ``in_baseline`` (None: all): the replies
+    the group's statistics count; the others (a tool that failed for want of the sandbox) get advantage 0.
     """
     _, group = torch.unique(group_ids, return_inverse=True)
     n_groups = int(group.max()) + 1
     # in float64: rewards of 3e38, finite in float32, overflowed its group sums and squares to NaN advantages
-    r = reward.double()
-    count = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, torch.ones_like(r))
-    mean = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, r) / count
-    sq = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, (r - mean[group]) ** 2)
+    counted = torch.ones_like(reward, dtype=torch.float64) if in_baseline is None else in_baseline.double()
+    r = reward.double() * counted
+    count = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, counted)
+    mean = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, r) / count.clamp_min(1)
+    sq = torch.zeros(n_groups, dtype=r.dtype).index_add_(0, group, counted * (r - mean[group]) ** 2)
     std = (sq / (count - 1).clamp_min(1)).sqrt()
     advantage = r - mean[group] if not scale_by_std else (r - mean[group]) / std[group].clamp_min(1e-6)
-    return advantage.to(reward.dtype)
+    return (advantage * counted).to(reward.dtype)

@@ -8,9 +8,10 @@ a step (docs/trl_comparison.md). So the batch is made dense once, here:
 * ``input_ids``: prompts left-padded to ``P`` columns, replies right-padded to ``R`` columns,
   so every reply starts at column ``P`` and the model's logits are needed for the last
   ``R + 1`` positions only;
-* ``attention_mask``, ``reply_mask`` (``[S, R]``): built from lengths, never from pad ids (a
-  reply may end in the pad token). A reply ends at its first stop token, whatever an engine
-  appended after it: padding never enters the loss or the metrics;
+* ``attention_mask`` (every real token, the environment's turns included) and ``reply_mask`` (``[S, R]``: the
+  sampled tokens, the one mask the loss, the KL terms, the entropy and the reply lengths read): built from lengths
+  and the episodes' sampled marks, never from pad ids (a reply may end in the pad token), so padding and the
+  environment's tokens never enter the loss or the metrics;
 * ``behaviour_log_probs`` (``[S, R]``): the log-probs the *generating* policy gave each reply
   token, kept as sampled. Recomputing them with the current weights would make every
   importance ratio 1 and clipping would do nothing;
@@ -25,48 +26,47 @@ from tensordict import TensorDict
 from grpo.rollout.replies import Replies
 
 
-def through_first_stop(reply: torch.Tensor, stop_ids: torch.Tensor) -> int:
-    """The reply's length up to and including its first stop token (all of it when none)."""
-    stops = torch.isin(reply, stop_ids).nonzero()
-    return int(stops[0, 0]) + 1 if len(stops) else reply.numel()
-
-
-def to_training_batch(replies: Replies, pad_token_id: int, stop_token_ids: list[int]) -> TensorDict:
-    """The replies as one dense batch (see the module docstring)."""
-    batch = token_batch(replies.prompts(), replies.replies(), pad_token_id, stop_token_ids)
+def to_training_batch(replies: Replies, pad_token_id: int) -> TensorDict:
+    """The replies as one dense batch (see the module docstring). An episode whose tool failed for want of the
+    sandbox (not the model's doing) is left out: of the loss (no sampled token) and of its group's baseline."""
+    failed = replies.tool_failures > 0
+    masks = [mask & (not bad) for mask, bad in zip(replies.sampled_masks(), failed.tolist())]
+    batch = token_batch(replies.prompts(), replies.replies(), pad_token_id, masks)
     n, width_r = batch.batch_size[0], batch["reply_mask"].shape[1]
-    reply_len = batch["reply_length"]
     behaviour_lp = torch.zeros(n, width_r)
-    for i, (lp, end) in enumerate(zip(replies.log_probs(), reply_len.tolist())):
+    for i, (lp, end) in enumerate(zip(replies.log_probs(), batch["reply_length"].tolist())):
         behaviour_lp[i, :end] = lp[:end]
-    last = batch["input_ids"].gather(1, (batch["input_ids"].shape[1] - width_r + reply_len - 1).clamp_min(0)[:, None])
     batch.update({
-        "behaviour_log_probs": behaviour_lp,
+        "behaviour_log_probs": behaviour_lp * batch["reply_mask"],
         "reward": replies.reward.clone(),
-        "reply_stopped": torch.isin(last[:, 0], torch.tensor(stop_token_ids)) & (reply_len > 0),
+        "reply_stopped": ~replies.truncated,
+        "in_baseline": ~failed,
         "group_id": group_ids(replies),
     })
     return batch
 
 
 def token_batch(prompts: list[torch.Tensor], replies: list[torch.Tensor], pad_token_id: int,
-                stop_token_ids: list[int]) -> TensorDict:
-    """The dense batch's token fields (``input_ids``, ``attention_mask``, ``reply_mask``, ``prompt_length``,
-    ``reply_length``), each reply cut after its first stop token: all that scoring reads, whether from the
-    collected replies or straight from the sampler's output (``grpo.training.reference``)."""
-    stop_ids = torch.tensor(stop_token_ids, dtype=torch.long)
-    kept = [r[:through_first_stop(r, stop_ids)] for r in replies]
+                sampled_masks: list[torch.Tensor] | None = None) -> TensorDict:
+    """The dense batch's token fields (``input_ids``, ``attention_mask``, ``reply_mask``: the sampled tokens of
+    ``sampled_masks``, all when None, ``prompt_length``, ``reply_length``, ``sampled_length``): all that scoring
+    reads, whether from the collected replies or straight from the policy's episodes (``grpo.training.reference``)."""
     prompt_len = torch.tensor([p.numel() for p in prompts], dtype=torch.long)
-    reply_len = torch.tensor([r.numel() for r in kept], dtype=torch.long)
-    n, width_p, width_r = len(kept), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
+    reply_len = torch.tensor([r.numel() for r in replies], dtype=torch.long)
+    n, width_p, width_r = len(replies), int(prompt_len.max()), int(reply_len.max()) if len(reply_len) else 0
     input_ids = torch.full((n, width_p + width_r), pad_token_id, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, kept)):
+    for i, (p, r) in enumerate(zip(prompts, replies)):
         input_ids[i, width_p - p.numel():width_p] = p
         input_ids[i, width_p:width_p + r.numel()] = r
     cols = torch.arange(width_p + width_r)
     attention_mask = (cols >= width_p - prompt_len[:, None]) & (cols < width_p + reply_len[:, None])
-    return TensorDict({"input_ids": input_ids, "attention_mask": attention_mask, "reply_mask": attention_mask[:, width_p:],
-                       "prompt_length": prompt_len, "reply_length": reply_len}, batch_size=[n])
+    reply_mask = attention_mask[:, width_p:].clone()
+    if sampled_masks is not None:
+        for i, mask in enumerate(sampled_masks):
+            reply_mask[i, :mask.numel()] &= mask
+    return TensorDict({"input_ids": input_ids, "attention_mask": attention_mask, "reply_mask": reply_mask,
+                       "prompt_length": prompt_len, "reply_length": reply_len, "sampled_length": reply_mask.sum(1)},
+                      batch_size=[n])
 
 
 def trim_padding(batch: TensorDict) -> TensorDict:
@@ -130,13 +130,21 @@ def micro_batch_rows(batch: TensorDict, max_rows: int, max_tokens: int | None, m
 
 def rollout_metrics(replies: Replies, batch: TensorDict) -> dict:
     """What a step trained on: reward, success, reply lengths and truncation, and which data rows."""
+    calls = max(int(replies.tool_calls.sum()), 1)
     metrics = {
         "reward": batch["reward"].double().mean().item(),  # double: rewards near 3.4e38 overflow a float32 sum
         "success_rate": replies.success.float().mean().item(),
-        "response_length": batch["reply_length"].float().mean().item(),
-        "response_length_max": int(batch["reply_length"].max()),
-        # replies cut by max_new_tokens before any stop token
+        # the model's own tokens: an episode's environment turns are not its reply
+        "response_length": batch["sampled_length"].float().mean().item(),
+        "response_length_max": int(batch["sampled_length"].max()),
+        # episodes cut short of a final answer: by max_new_tokens, env.max_turns or env.max_episode_tokens
         "response_truncated_fraction": 1 - batch["reply_stopped"].float().mean().item(),
+        "episode/turns": replies.turns.float().mean().item(),
+        "episode/truncated_fraction": replies.truncated.float().mean().item(),
+        "tools/calls_per_episode": replies.tool_calls.float().mean().item(),
+        "tools/error_rate": int(replies.tool_errors.sum()) / calls,
+        "tools/timeout_rate": int(replies.tool_timeouts.sum()) / calls,
+        "tools/sandbox_failures": int(replies.tool_failures.sum()),
         "prompt_indices": sorted(set(replies.row_index.tolist())),  # which data rows (resume tests compare them)
     }
     return metrics

@@ -31,19 +31,18 @@ class ReferenceScores:
     """``scores, scored_early = reference(batch)``: the ``[S, R]`` log-probs of ``batch``'s replies under the
     reference (``scorer``), and how many rows were scored early (``score_early``)."""
 
-    def __init__(self, scorer: ReplyLogProbs, settings, *, pad_token_id: int, stop_token_ids: list[int],
-                 world: World = World()):
+    def __init__(self, scorer: ReplyLogProbs, settings, *, pad_token_id: int, world: World = World()):
         self.scorer, self.world = scorer, world
         # without grad a forward keeps no activations: ref_model.micro_batch_tokens cuts by tokens alone, if set
         self.s = settings if settings.ref_micro_batch_tokens is None else replace(
             settings, micro_batch_size=sys.maxsize, micro_batch_tokens=settings.ref_micro_batch_tokens)
-        self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
+        self.pad_token_id = pad_token_id
         self.early: list[tuple] = []  # each sampled batch's row keys, reply lengths and queued scores
 
     def score_early(self, prompts: list[torch.Tensor], replies: list[torch.Tensor]) -> None:
-        """A sampled batch as an engine returns it, each reply's prompt and reply ids (anything after a stop
-        token is cut): its scores queued on the reference's device."""
-        batch = token_batch(prompts, replies, self.pad_token_id, self.stop_token_ids)
+        """A sampled batch as the engine's policy hands it on, each episode's prompt and token ids: its scores
+        queued on the reference's device (every episode token's: the step's mask keeps the sampled ones)."""
+        batch = token_batch(prompts, replies, self.pad_token_id)
         self.early.append((row_keys(batch), batch["reply_length"].tolist(), batch["reply_mask"].shape,
                            queue_scores(batch, self.scorer, self.s)))
 

@@ -5,7 +5,8 @@
     reward    -= overlong penalty                          DAPO's soft penalty over the last reward.overlong_buffer tokens
     kl_ref     = k3(sampler || ref) per reply              logged; subtracted from the reward or a loss term
     advantage  = (r - mean_group) / std_group              replies to one prompt form a group (dr_grpo: no / std)
-    reply_mask = stopped replies only                      train.overlong_filter: replies cut at the cap not trained
+    reply_mask = sampled tokens                            an episode's environment turns never trained on;
+                                                           train.overlong_filter: truncated episodes not trained
     for epoch, minibatch (micro-batches of similar lengths, accumulated):
         ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, truncated IS);
                                                            per token (gspo: per reply, geometric mean)
@@ -97,14 +98,14 @@ class GRPOStep:
     ``ref_model``: the reference model itself (every rank holds all of it)."""
 
     def __init__(self, settings: GRPOSettings, *, policy: ReplyLogProbs, optimizer, scheduler, ref_model=None,
-                 pad_token_id: int, stop_token_ids: list[int], world: World = World()):
+                 pad_token_id: int, world: World = World()):
         self.s, self.world = settings, world
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         # the reference's scores: of rows the sampler handed it early (grpo.training.reference), or scored here
         self.ref = ReferenceScores(ReplyLogProbs(ref_model, settings.temperature, settings.packed_sequences), settings,
-                                   pad_token_id=pad_token_id, stop_token_ids=stop_token_ids, world=world) \
+                                   pad_token_id=pad_token_id, world=world) \
             if ref_model is not None else None
-        self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
+        self.pad_token_id = pad_token_id
         if settings.compile:  # fewer, fused kernels: 1.5B on an H100, train part 3.69 -> 2.65 s, reference 0.83 -> 0.57 s
             policy.compile_for_training()
             if self.ref is not None:
@@ -116,7 +117,7 @@ class GRPOStep:
 
     def prepare(self, rollouts) -> tuple[TensorDict, dict]:
         t0 = time.perf_counter()
-        batch = to_training_batch(rollouts, self.pad_token_id, self.stop_token_ids)
+        batch = to_training_batch(rollouts, self.pad_token_id)
         bad = int((~batch["reward"].isfinite()).sum())
         if bad:  # its advantages would be NaN, and so every weight after the update
             raise NonFiniteError(f"{bad} of the step's {batch.batch_size[0]} rewards are NaN or inf (a reward above "
@@ -124,7 +125,7 @@ class GRPOStep:
                                  "numbers; no update was made.")
         metrics = rollout_metrics(rollouts, batch)
         if self.s.overlong_buffer:
-            penalty = overlong_penalty(batch["reply_length"], self.s.max_new_tokens, self.s.overlong_buffer,
+            penalty = overlong_penalty(batch["sampled_length"], self.s.max_new_tokens, self.s.overlong_buffer,
                                        self.s.overlong_penalty)
             batch["reward"] = batch["reward"] - penalty
             metrics["overlong_penalty_mean"] = penalty.mean().item()
@@ -141,7 +142,8 @@ class GRPOStep:
             gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
             metrics["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
         batch["advantage"] = group_advantages(batch["reward"], batch["group_id"],
-                                              scale_by_std=self.s.loss_variant != "dr_grpo")
+                                              scale_by_std=self.s.loss_variant != "dr_grpo",
+                                              in_baseline=batch["in_baseline"])
         if not bool(batch["advantage"].isfinite().all()):  # dr_grpo's unscaled differences of rewards near 3.4e38
             raise NonFiniteError(f"the step's advantages overflow float32: its rewards reach "
                                  f"{float(batch['reward'].abs().max()):.3g}; scale the reward (reward.functions) to "

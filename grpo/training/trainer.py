@@ -29,8 +29,7 @@ class Trainer:
     run it when told (``follow``).
     """
 
-    def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, stop_token_ids: list[int],
-                 world: World = World()):
+    def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, world: World = World()):
         self.policy_model, self.world = policy_model, world
         settings = GRPOSettings.from_config(cfg)
         # CPU: always float32; mixed_precision=false: float32 compute asked for
@@ -44,7 +43,7 @@ class Trainer:
                                         * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size)
         self.grpo_step = GRPOStep(settings, policy=scorer, optimizer=self.optimizer,
                                   scheduler=self.scheduler, ref_model=ref_model, pad_token_id=pad_token_id,
-                                  stop_token_ids=stop_token_ids, world=world)
+                                  world=world)
         self.score_reference_early = cfg.ref_model.score_early
         self.policy_version = 0
         self.completed_step, self.completed_rng, self.half_updated = 0, None, False

@@ -1,0 +1,291 @@
+"""The one TorchRL policy of every engine: chat prompts in, whole episodes out, each with its tokens and log-probs.
+
+An episode is up to ``turn_env.max_turns`` assistant turns; between two turns the task's turn environment answers
+(``TurnEnv``: a tool's output, a simulated user). A single-turn task has no turn environment: its episode is one
+turn, through this same loop. Every episode of a batch advances together: each turn samples the active episodes'
+contexts in one engine call (``sample``), the turn environment answers all of them at once, and those that go on
+sample again.
+
+Token in, token out: an episode's tokens are the prompt's, then each turn's sampled tokens exactly as the engine
+returned them (cut after the turn's first stop token), then the environment's turn, rendered by the chat template
+around its text (``EnvTurnTokens``), and so on. Nothing sampled is decoded and re-tokenized. ``sampled_mask`` marks
+the sampled tokens: the loss, the KL terms, the entropy and the reply-length statistics read those alone.
+
+An episode ends at the model's final answer (a turn the environment does not answer), at ``max_turns``, when a turn
+hits the reply cap, or at the budget of ``max_episode_tokens`` after the prompt; the last three count as truncated.
+
+Writes, as TorchRL's wrappers lay them out (and the envs, rewards, eval and ``grpo.rollout.replies`` read them):
+
+    history.prompt / .response / .full  ChatHistory: the prompt's messages; the episode's messages (assistant turns,
+                                        each without its stop token, and the environment's); the two together
+    tokens.prompt / .response / .full   the prompt's tokens; the episode's (sampled and environment's)
+    log_probs.response                  the sampler's log-prob of each episode token (0 for the environment's)
+    text.response                       the episode as decoded
+    episode.sampled_mask                True where the engine sampled the token
+    episode.turns / .truncated          assistant turns taken; whether it ended short of a final answer
+    episode.tool_calls / .tool_errors / .tool_timeouts / .tool_failures
+                                        what the turn environment counted (failures: its own, not the model's)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from tensordict import LazyStackedTensorDict, lazy_stack
+from torch.nn.utils.rnn import pad_sequence
+from torchrl.data.llm import History
+from torchrl.modules.llm.policies.common import ChatHistory
+
+EPISODE_COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_failures")
+
+
+@dataclass
+class Episode:
+    """One episode as the turn environment sees it: the prompt's messages, the episode's so far (the last one the
+    assistant turn just sampled), and the data row it came from."""
+    prompt: list[dict]
+    messages: list[dict]
+    row_index: int
+
+
+@dataclass
+class EnvTurn:
+    """The environment's answer to a turn: one message (``role``, ``content``), rendered by the chat template, and
+    what it counts (``EPISODE_COUNTS`` names: a tool call, an error, a timeout, a failure of the tool itself)."""
+    message: dict
+    counts: dict = field(default_factory=dict)
+
+
+class TurnEnv(Protocol):
+    """What answers a model between turns (``grpo.tasks.tool_env.PythonToolEnv``, or a user's own class)."""
+
+    max_turns: int           # assistant turns an episode may take
+    max_episode_tokens: int  # tokens after the prompt an episode may hold, the environment's included
+
+    def answers(self, episode: Episode) -> bool:
+        """Whether it answers the turn just sampled (no: that turn was the final answer). No side effects."""
+
+    def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
+        """Its answers to the turns it answers, in order, all at once (a tool runs them concurrently)."""
+
+
+class EnvTurnTokens:
+    """An environment's message as tokens: the chat template's text around it (what the template writes after an
+    assistant turn, up to the next assistant turn's header) tokenized as template text, and the message's own
+    text tokenized with special tokens split: text from a tool or a data row never becomes a special token."""
+
+    ASSISTANT, CONTENT = "\x00assistant turn\x00", "\x00environment text\x00"
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @functools.cache  # noqa: B019 - one per role; lives as long as the policy
+    def around(self, role: str) -> tuple[list[int], list[int]]:
+        """The template's tokens before and after a ``role`` message that follows an assistant turn."""
+        messages = [{"role": "user", "content": "question"}, {"role": "assistant", "content": self.ASSISTANT},
+                    {"role": role, "content": self.CONTENT}]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        after = text[text.index(self.ASSISTANT) + len(self.ASSISTANT):]
+        before, _, rest = after.partition(self.CONTENT)
+        encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
+        return encode(before), encode(rest)
+
+    def __call__(self, message: dict, turn: torch.Tensor) -> torch.Tensor:
+        before, after = self.around(message["role"])
+        if before and len(turn) and int(turn[-1]) == before[0]:
+            before = before[1:]  # the turn ended on the template's end-of-turn token itself (eos): not twice
+        content = self.tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
+        return torch.tensor(before + content + after, dtype=torch.long)
+
+
+def cut_at_stop(reply: torch.Tensor, log_probs: torch.Tensor, stop_ids: torch.Tensor):
+    """A turn up to and including its first stop token (whatever an engine appended after it dropped), and whether
+    it had one."""
+    stops = torch.isin(reply, stop_ids).nonzero()
+    if len(stops):
+        end = int(stops[0, 0]) + 1
+        return reply[:end], log_probs[:end], True
+    return reply, log_probs, False
+
+
+class EpisodePolicy(torch.nn.Module):
+    """Samples one episode a prompt with ``sample`` (an engine's: prompts' token ids in, each reply's token ids and
+    log-probs out, at most ``max_new_tokens`` a turn), ``turn_env`` answering between turns (None: one turn).
+    Takes a reset's tensordict (batch ``[B]``): its ``history.prompt`` and, where the env wrote them
+    (``grpo.tasks.envs.GroupPromptTokens``), the prompts' tokens ``tokens.prompt`` (left-padded with ``pad_id``);
+    without them the chat template renders the prompts. Writes the episodes into that tensordict and returns it.
+
+    ``on_sampled``: None, or called with each batch's prompts' and episodes' token ids once its episodes are
+    whole (the reference scores them while the CPU goes on: ``grpo.training.reference``)."""
+
+    # what TorchRL's collector reads to know what a step adds (without them it runs the policy once to find out)
+    in_keys = [("history", "prompt")]
+    out_keys = ["history", "tokens", "log_probs", "text", "episode"]
+
+    def __init__(self, sample: Callable[[list[torch.Tensor], int], list[tuple[torch.Tensor, torch.Tensor]]],
+                 tokenizer, *, max_new_tokens: int, stop_ids: list[int], pad_id: int, turn_env: TurnEnv | None = None):
+        super().__init__()
+        self.sample, self.tokenizer, self.max_new_tokens, self.pad_id = sample, tokenizer, max_new_tokens, pad_id
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
+        self.turn_env, self.on_sampled = turn_env, None
+        self.env_tokens = EnvTurnTokens(tokenizer)
+        # what a turn's last token decodes to, when it is a special stop token (eos): cut from the message's text; a
+        # plain one (a tool call's closing tag) is part of what the model wrote
+        special = set(tokenizer.all_special_ids)
+        self.stop_texts = {i: tokenizer.decode([i]) for i in stop_ids if i in special}
+
+    @torch.no_grad()
+    def forward(self, tensordict):
+        if tensordict.ndim != 1:
+            raise ValueError(f"EpisodePolicy takes a batch of prompts (one batch dimension); got batch size "
+                             f"{tuple(tensordict.batch_size)}")
+        if not isinstance(tensordict, LazyStackedTensorDict):  # its rows are then the tensordict's own, written below
+            tensordict = tensordict.to_lazystack(0)
+        history = tensordict.get(("history", "prompt"))
+        prompts = self.prompt_tokens(tensordict.get(("tokens", "prompt"), None), history)
+        rows = tensordict.get("row_index", None)
+        rows = rows.reshape(-1).tolist() if rows is not None else [-1] * len(prompts)
+        episodes = self.run_episodes(prompts, history, rows)
+        if self.on_sampled is not None:
+            self.on_sampled(prompts, [e.tokens() for e in episodes])
+        response = lazy_stack([lazy_stack([History(role=m["role"], content=m["content"], is_complete=m["complete"])
+                                           for m in e.messages]) for e in episodes])
+        tensordict.set("history", ChatHistory(prompt=history, response=response,
+                                              full=history.extend(response, inplace=False, dim=-1),
+                                              batch_size=tensordict.batch_size))
+        for row, prompt, episode in zip(tensordict.unbind(0), prompts, episodes):
+            tokens = episode.tokens()
+            row.set(("tokens", "prompt"), prompt)
+            row.set(("tokens", "response"), tokens)
+            row.set(("tokens", "full"), torch.cat([prompt, tokens]))
+            row.set(("log_probs", "response"), torch.cat(episode.log_probs) if episode.log_probs else torch.zeros(0))
+            row.set_non_tensor(("text", "response"), self.tokenizer.decode(tokens, skip_special_tokens=False))
+            row.set(("episode", "sampled_mask"), torch.cat(episode.sampled) if episode.sampled
+                    else torch.zeros(0, dtype=torch.bool))
+            row.set(("episode", "turns"), torch.tensor(episode.turns))
+            row.set(("episode", "truncated"), torch.tensor(episode.truncated))
+            for name in EPISODE_COUNTS:
+                row.set(("episode", name), torch.tensor(episode.counts.get(name, 0)))
+        return tensordict
+
+    def run_episodes(self, prompts: list[torch.Tensor], history, rows: list[int]) -> list[EpisodeState]:
+        env = self.turn_env
+        max_turns = env.max_turns if env is not None else 1
+        budget = env.max_episode_tokens if env is not None else self.max_new_tokens
+        prompt_messages = [[{"role": r, "content": c} for r, c in zip(roles, texts)]
+                           for roles, texts in zip(history.role, history.content)]
+        episodes = [EpisodeState(prompt) for prompt in prompts]
+        active = list(range(len(prompts)))
+        for turn in range(max_turns):
+            cap = min(self.max_new_tokens, max(budget - episodes[i].length for i in active))
+            sampled = self.sample([episodes[i].context() for i in active], cap)
+            answered = []
+            for i, (reply, log_probs) in zip(active, sampled):
+                episode = episodes[i]
+                reply, log_probs, stopped = cut_at_stop(reply, log_probs, self.stop_ids)
+                room = budget - episode.length
+                stopped = stopped and reply.numel() <= room
+                reply, log_probs = reply[:room], log_probs[:room]
+                episode.add_turn(reply, log_probs, self.message_text(reply, stopped), stopped)
+                if not stopped:  # cut by the reply cap or the budget: a turn cannot go on once cut
+                    episode.truncated = True
+                    continue
+                as_seen = Episode(prompt_messages[i], episode.messages, rows[i])
+                if env is None or not env.answers(as_seen):
+                    continue  # the final answer
+                if turn == max_turns - 1:
+                    episode.truncated = True  # the environment would answer, but the turns are spent
+                    continue
+                answered.append((i, as_seen))
+            active = []
+            if not answered:
+                break
+            for (i, as_seen), env_turn in zip(answered, env.respond([seen for _, seen in answered]), strict=True):
+                episode = episodes[i]
+                for name, count in env_turn.counts.items():
+                    episode.counts[name] = episode.counts.get(name, 0) + int(count)
+                tokens = self.env_tokens(env_turn.message, episode.tokens_of_last_turn())
+                if episode.length + tokens.numel() >= budget:  # no room left to answer in
+                    episode.truncated = True
+                    continue
+                episode.add_env_turn(env_turn.message, tokens)
+                active.append(i)
+        return episodes
+
+    def message_text(self, reply: torch.Tensor, stopped: bool) -> str:
+        """A turn's text as its assistant message holds it: decoded once, without its stop token, stripped."""
+        text = self.tokenizer.decode(reply, skip_special_tokens=False)
+        return text.removesuffix(self.stop_texts.get(int(reply[-1]), "") if stopped else "").strip()
+
+    def prompt_tokens(self, tokens, history) -> list[torch.Tensor]:
+        """Each prompt's token ids, without padding: the env's, else rendered by the chat template."""
+        if tokens is None:
+            texts = history.apply_chat_template(tokenizer=self.tokenizer, add_generation_prompt=True)
+            return [torch.tensor(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        rows = tokens.unbind(0) if isinstance(tokens, torch.Tensor) else tokens
+        return [row[row != self.pad_id] for row in rows]
+
+
+class EpisodeState:
+    """One episode while it is sampled: its pieces of tokens, log-probs and sampled marks, its messages, counts."""
+
+    def __init__(self, prompt: torch.Tensor):
+        self.prompt, self.pieces, self.log_probs, self.sampled = prompt, [], [], []
+        self.messages: list[dict] = []
+        self.length, self.turns, self.truncated, self.counts = 0, 0, False, {}
+
+    def context(self) -> torch.Tensor:
+        return torch.cat([self.prompt, *self.pieces])
+
+    def tokens(self) -> torch.Tensor:
+        return torch.cat(self.pieces) if self.pieces else torch.zeros(0, dtype=torch.long)
+
+    def tokens_of_last_turn(self) -> torch.Tensor:
+        return self.pieces[-1]
+
+    def add_turn(self, reply: torch.Tensor, log_probs: torch.Tensor, text: str, stopped: bool) -> None:
+        self.pieces.append(reply.long())
+        self.log_probs.append(log_probs.float())
+        self.sampled.append(torch.ones(reply.numel(), dtype=torch.bool))
+        self.messages.append({"role": "assistant", "content": text, "complete": stopped})
+        self.length += reply.numel()
+        self.turns += 1
+
+    def add_env_turn(self, message: dict, tokens: torch.Tensor) -> None:
+        self.pieces.append(tokens)
+        self.log_probs.append(torch.zeros(tokens.numel()))
+        self.sampled.append(torch.zeros(tokens.numel(), dtype=torch.bool))
+        self.messages.append({"role": message["role"], "content": message["content"], "complete": True})
+        self.length += tokens.numel()
+
+
+def pad_prompts(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded into one ``[B, P]`` batch, and its attention mask."""
+    input_ids = pad_sequence(prompts, batch_first=True, padding_value=pad_id, padding_side="left")
+    attention_mask = pad_sequence([torch.ones_like(p) for p in prompts], batch_first=True, padding_side="left")
+    return input_ids, attention_mask
+
+
+class EnginePolicies:
+    """What an engine with two ``EpisodePolicy``s (``policy`` samples rollouts, ``greedy_policy`` evaluates)
+    forwards to them: ``turn_env`` (both answer through it) and ``on_sampled`` (the rollouts')."""
+
+    @property
+    def turn_env(self) -> TurnEnv | None:
+        return self.policy.turn_env
+
+    @turn_env.setter
+    def turn_env(self, env: TurnEnv | None) -> None:
+        self.policy.turn_env = self.greedy_policy.turn_env = env
+
+    @property
+    def on_sampled(self):
+        return self.policy.on_sampled
+
+    @on_sampled.setter
+    def on_sampled(self, callback) -> None:
+        self.policy.on_sampled = callback

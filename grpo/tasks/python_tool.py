@@ -1,0 +1,53 @@
+"""The Python tool a model calls between turns, in its own tool-call format.
+
+The chat template renders ``PYTHON_TOOL`` where its ``tools=`` argument asks (Qwen2.5's ``# Tools`` block); the model
+calls it as ``<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>`` and the result comes back as a
+``tool`` message, rendered by the template (Qwen2.5: a user turn holding ``<tool_response>...</tool_response>``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+PYTHON_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run Python code and return what it prints.",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the Python code to run"}},
+            "required": ["code"],
+        },
+    },
+}
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_call(text: str) -> tuple[str | None, str | None]:
+    """The code of the first tool call in an assistant turn's ``text``, or why the call is malformed (one line a
+    model can act on): ``(code, None)`` or ``(None, error)``."""
+    start = text.find(CALL_OPEN)
+    end = text.find(CALL_CLOSE, start)
+    if end < 0:
+        return None, f"the tool call has no closing {CALL_CLOSE} tag; write {CALL_OPEN}{EXAMPLE_CALL}{CALL_CLOSE}"
+    body = text[start + len(CALL_OPEN):end].strip()
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as err:
+        return None, f"the tool call is not valid JSON ({err.msg} at character {err.pos}); write {EXAMPLE_CALL}"
+    if not isinstance(call, dict) or "name" not in call:
+        return None, f"the tool call must be a JSON object with a name and arguments; write {EXAMPLE_CALL}"
+    if call["name"] != PYTHON_TOOL["function"]["name"]:
+        return None, f"unknown tool {call['name']!r}: the only tool is python"
+    arguments = call.get("arguments")
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        with contextlib.suppress(json.JSONDecodeError):
+            arguments = json.loads(arguments)
+    if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
+        return None, f'python takes one argument, "code", a string of Python; write {EXAMPLE_CALL}'
+    return arguments["code"], None
+
+
+EXAMPLE_CALL = '{"name": "python", "arguments": {"code": "print(6 * 7)"}}'

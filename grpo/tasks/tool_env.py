@@ -1,0 +1,113 @@
+"""What answers a model between the turns of an episode (``grpo.inference.episode_policy.TurnEnv``): the Python tool
+(``env.tools: [python]``), or a user's own class (``env.turn_env``), built from the config in one place
+(``make_turn_env``).
+
+``PythonToolEnv`` answers a turn that holds a ``<tool_call>``: it parses the call (``grpo.tasks.python_tool``), runs
+every episode's code of the batch at once in the sandbox (``grpo.tasks.sandbox``: a slow call is cut at its timeout,
+never holding the batch), and returns what the code printed as a ``tool`` message. A malformed call (bad JSON, an
+unknown tool, no closing tag, calls past ``tools.max_calls``) is answered with a message saying what was wrong,
+never an exception. A turn without a tool call is the final answer.
+"""
+
+from __future__ import annotations
+
+from grpo.inference.episode_policy import EnvTurn, Episode, TurnEnv
+from grpo.process.errors import ConfigError
+from grpo.tasks.python_tool import CALL_CLOSE, CALL_OPEN, PYTHON_TOOL, parse_call
+from grpo.tasks.user_rewards import import_object
+
+NO_OUTPUT = "[no output: print() what you want to see]"
+
+
+class PythonToolEnv:
+    """The Python tool between turns: up to ``max_calls`` calls an episode, run in ``sandbox``."""
+
+    tools = [PYTHON_TOOL]  # what the chat template renders in the system turn
+
+    def __init__(self, sandbox, *, max_turns: int, max_episode_tokens: int, max_calls: int):
+        self.sandbox, self.max_turns, self.max_episode_tokens, self.max_calls = sandbox, max_turns, max_episode_tokens, max_calls
+
+    def answers(self, episode: Episode) -> bool:
+        return CALL_OPEN in episode.messages[-1]["content"]
+
+    def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
+        answers: list[EnvTurn | None] = []
+        to_run = []  # (episode's place, code)
+        for i, episode in enumerate(episodes):
+            calls = 1 + sum(message["role"] == "tool" for message in episode.messages)
+            code, error = parse_call(episode.messages[-1]["content"])
+            if error is None and calls > self.max_calls:
+                error = f"no more tool calls: this episode has used its {self.max_calls}; give your final answer"
+            if error is not None:
+                answers.append(EnvTurn(tool_message(f"Error: {error}"), {"tool_calls": 1, "tool_errors": 1}))
+            else:
+                answers.append(None)
+                to_run.append((i, code))
+        for (i, _), run in zip(to_run, self.sandbox.run_many([code for _, code in to_run]), strict=True):
+            if run.failed is not None:  # the sandbox's failure, not the model's: its episode leaves the statistics
+                answers[i] = EnvTurn(tool_message(f"Error: the tool could not run ({run.failed})"),
+                                     {"tool_calls": 1, "tool_failures": 1})
+                continue
+            counts = {"tool_calls": 1, "tool_timeouts": int(run.timed_out),
+                      "tool_errors": int(run.timed_out or run.exit_code != 0)}
+            answers[i] = EnvTurn(tool_message(run.output or NO_OUTPUT), counts)
+        return answers
+
+
+def tool_message(text: str) -> dict:
+    return {"role": "tool", "content": text}
+
+
+def make_turn_env(cfg, tokenizer) -> TurnEnv | None:
+    """What answers between turns: the tools ``env.tools`` names, a user's ``env.turn_env`` class, or None (an
+    episode is one turn). The sandbox's protections are printed once."""
+    budget = cfg.env.max_episode_tokens or cfg.env.max_turns * cfg.inference_model.max_new_tokens
+    if cfg.env.turn_env:
+        env_class = import_object(cfg.env.turn_env, "env.turn_env")
+        return env_class(max_turns=cfg.env.max_turns, max_episode_tokens=budget)
+    if list(cfg.env.tools) == ["python"]:
+        from grpo.tasks.sandbox import Sandbox, SandboxSettings  # only where a tool runs
+
+        t = cfg.tools
+        sandbox = Sandbox(SandboxSettings(timeout_s=t.timeout_s, cpu_s=t.cpu_s, memory_mb=t.memory_mb,
+                                          file_size_mb=t.file_size_mb, processes=t.processes,
+                                          output_chars=t.output_chars, workers=t.workers))
+        print(sandbox.describe(), flush=True)
+        return PythonToolEnv(sandbox, max_turns=cfg.env.max_turns, max_episode_tokens=budget, max_calls=t.max_calls)
+    return None
+
+
+def env_tools(cfg) -> list[dict] | None:
+    """The tools the chat template renders into every prompt (None: none)."""
+    return [PYTHON_TOOL] if list(cfg.env.tools) == ["python"] else None
+
+
+def tool_stop_ids(cfg, tokenizer) -> list[int]:
+    """The ids a turn also ends on: the tool call's closing tag, where the tokenizer holds it as one token
+    (Qwen2.5 does), so the model never writes a tool's answer itself."""
+    if list(cfg.env.tools) != ["python"]:
+        return []
+    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False)
+    return ids if len(ids) == 1 else []
+
+
+def check_turn_config(cfg) -> None:
+    """``env.max_turns``, ``env.tools`` and ``env.turn_env`` agree."""
+    tools, turn_env, turns = list(cfg.env.tools), cfg.env.turn_env, cfg.env.max_turns
+    if any(tool != "python" for tool in tools) or len(tools) > 1:
+        raise ConfigError(f"env.tools={tools}: the tools are [python] or [] (a tool of your own: env.turn_env).")
+    if tools and turn_env:
+        raise ConfigError(f"env.tools={tools} and env.turn_env={turn_env!r}: one answers between turns; set the other "
+                          "to [] / null.")
+    if not isinstance(turns, int) or turns < 1:
+        raise ConfigError(f"env.max_turns={turns!r}: an episode takes at least one assistant turn (1: a reply).")
+    if turns > 1 and not (tools or turn_env):
+        raise ConfigError(f"env.max_turns={turns} needs something to answer between turns: env.tools=[python] or "
+                          "env.turn_env=path/to/file.py:YourEnv (or env.max_turns=1).")
+    if turns == 1 and (tools or turn_env):
+        raise ConfigError(f"env.max_turns=1 leaves no turn after a tool call's answer; set env.max_turns=2 or more "
+                          f"with env.tools={tools} / env.turn_env={turn_env!r}.")
+    budget = cfg.env.max_episode_tokens
+    if budget is not None and (not isinstance(budget, int) or budget < 1):
+        raise ConfigError(f"env.max_episode_tokens={budget!r}: a positive number of tokens, or null "
+                          "(env.max_turns x inference_model.max_new_tokens).")
