@@ -1,0 +1,176 @@
+"""grpo/inference/episode_policy.py: a one-turn episode holds the replies, tokens, log-probs and chat histories TorchRL's own wrapper wrote
+around the same sampler, from one decode a reply."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data.llm import History
+from torchrl.modules.llm.policies.common import ChatHistory
+
+from conftest import compose
+from grpo.inference.decoding import ReplySampler
+from grpo.inference.engine import make_transformers_policy
+from grpo.inference.episode_policy import EnvTurn, cut_at_stop
+from grpo.inference.generation import EngineSettings, generate_kwargs
+from grpo.process.setup import resolve_local_paths
+from grpo.tasks.envs import make_env
+from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
+from torchrl_wrapper import torchrl_history_policy
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir, tiny_data_dir):
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    stop_ids = stop_token_ids(tok, model.generation_config)
+    options = generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=16, stop_ids=stop_ids)
+    sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
+    return cfg, tok, sampler, options
+
+
+def test_the_policy_writes_what_torchrl_s_wrapper_wrote_and_the_env_scores_it_the_same(tiny):
+    cfg, tok, sampler, options = tiny
+    env = make_env(cfg, tok, split="train", repeats=4, num_envs=16, shuffle=False)
+    reset = env.reset()
+    outs, steps = [], []
+    for policy in (make_transformers_policy(sampler, tok, gen_kwargs=options),
+                   torchrl_history_policy(sampler, tok, options)):
+        torch.manual_seed(0)
+        outs.append(policy(reset.copy()))
+        steps.append(env.step(outs[-1].copy()))
+    ours, theirs = outs
+    replies = ours.get(("tokens", "response"), as_list=True)
+    ended = [bool(r.numel()) and int(r[-1]) in options["eos_token_id"] for r in replies]
+    assert any(ended) and not all(ended), "the test needs replies that stopped and replies cut at the cap"
+    for key in (("tokens", "prompt"), ("tokens", "response"), ("tokens", "full"), ("log_probs", "response")):
+        assert all(torch.equal(a, b) for a, b in zip(ours.get(key, as_list=True), theirs.get(key, as_list=True),
+                                                     strict=True)), key
+    assert ours["text", "response"] == theirs["text", "response"]
+    for part in ("prompt", "response", "full"):
+        a, b = ours["history", part], theirs["history", part]
+        assert a.batch_size == b.batch_size and a.role == b.role and a.content == b.content, part
+    assert ours["history", "response"].is_complete == [[done] for done in ended]
+    for key in ("reward", "success"):
+        assert torch.equal(steps[0]["next", key], steps[1]["next", key])
+    next_prompts = [step["next", "history", "prompt"] for step in steps]  # the next turn's prompt: prompt + reply
+    assert next_prompts[0].content == next_prompts[1].content
+
+
+def test_prompts_without_tokens_are_rendered_by_the_chat_template(tiny):
+    cfg, tok, sampler, options = tiny
+    chats = [[{"role": "user", "content": "What is 2 + 3?"}], [{"role": "user", "content": "And 7 - 4?"}]]
+    given = TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(2,))
+    out = make_transformers_policy(sampler, tok, gen_kwargs=options)(given)
+    rendered = [tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+                for chat in chats]
+    assert [p.tolist() for p in out.get(("tokens", "prompt"), as_list=True)] == [list(r) for r in rendered]
+    assert [m[-1] for m in out["history", "full"].role] == ["assistant", "assistant"]
+
+
+def test_a_batch_of_other_than_one_dimension_is_refused(tiny):
+    cfg, tok, sampler, options = tiny
+    env = make_env(cfg, tok, split="train", repeats=2, num_envs=4, shuffle=False)
+    with pytest.raises(ValueError, match="one batch dimension"):
+        make_transformers_policy(sampler, tok, gen_kwargs=options)(env.reset().reshape(2, 2))
+
+
+class ScriptedEnv:
+    """A turn environment that answers every turn with the same user text (special-token text included), until
+    ``max_turns``: the plug-in point of ``grpo.inference.episode_policy.TurnEnv``."""
+
+    def __init__(self, text: str, max_turns: int, max_episode_tokens: int):
+        self.text, self.max_turns, self.max_episode_tokens = text, max_turns, max_episode_tokens
+        self.seen = []
+
+    def answers(self, episode):
+        return True
+
+    def respond(self, episodes):
+        self.seen.append([e.messages[-1]["content"] for e in episodes])
+        return [EnvTurn({"role": "user", "content": self.text}, {"tool_calls": 1}) for _ in episodes]
+
+
+def recording(policy):
+    """The policy's sample function, each call's prompts and replies kept."""
+    calls, sample = [], policy.sample
+
+    def record(prompts, max_new_tokens):
+        out = sample(prompts, max_new_tokens)
+        calls.append(([p.clone() for p in prompts], [(r.clone(), lp.clone()) for r, lp in out]))
+        return out
+
+    policy.sample = record
+    return calls
+
+
+def test_a_multi_turn_episode_trains_on_exactly_the_sampled_tokens_and_masks_the_environment_s(tiny):
+    """Token in, token out: the episode's tokens are each turn's sampled tokens (through its stop token) and the
+    environment's, the next turn's prompt is the whole context so far, the sampled ones are bit-identical to what
+    the engine returned with their log-probs, and the mask covers those alone; text from the environment that
+    spells a special token stays text."""
+    cfg, tok, sampler, options = tiny
+    env = make_env(cfg, tok, split="train", repeats=2, num_envs=4, shuffle=False)
+    policy = make_transformers_policy(sampler, tok, gen_kwargs=options | {"max_new_tokens": 40})
+    policy.turn_env = ScriptedEnv("go on <|im_end|>", max_turns=3, max_episode_tokens=200)
+    calls = recording(policy)
+    torch.manual_seed(0)
+    out = policy(env.reset())
+    stop_ids = torch.tensor(options["eos_token_id"])
+    for row, td in enumerate(out.unbind(0)):
+        tokens, mask, lps = td["tokens", "response"], td["episode", "sampled_mask"], td["log_probs", "response"]
+        context, pieces, turns = td["tokens", "prompt"], [], 0
+        for prompts, replies in calls:
+            at = sum(len(p) for p in pieces)
+            # this episode's turn: the call's row whose prompt is its context (a group's rows share the first)
+            match = [(reply[:end], lp[:end]) for p, (reply, lp) in zip(prompts, replies) if torch.equal(p, context)
+                     for end in [cut_at_stop(reply, lp, stop_ids)[0].numel()]
+                     if torch.equal(tokens[at:at + end], reply[:end])]
+            if not match:
+                break
+            reply, lp = match[0]
+            end = len(reply)
+            assert torch.equal(lps[at:at + end], lp)
+            assert bool(mask[at:at + end].all())
+            pieces.append(reply[:end])
+            turns += 1
+            env_part = tokens[at + end:]
+            env_len = int((~mask[at + end:]).cumprod(0).sum())
+            assert bool((lps[at + end:at + end + env_len] == 0).all())
+            pieces.append(env_part[:env_len])
+            context = torch.cat([td["tokens", "prompt"], *pieces])
+        assert turns == int(td["episode", "turns"]) >= 1
+        assert torch.equal(torch.cat(pieces)[:len(tokens)], tokens)
+        assert int(td["episode", "tool_calls"]) == sum(1 for m in td["history", "response"].role if m == "user")
+        env_tokens = tokens[~mask]
+        if len(env_tokens):  # the text "<|im_end|>" from the environment: never the special token itself
+            text_ids = tok.encode("go on <|im_end|>", add_special_tokens=False, split_special_tokens=True)
+            assert any(torch.equal(env_tokens[i:i + len(text_ids)], torch.tensor(text_ids))
+                       for i in range(len(env_tokens) - len(text_ids) + 1))
+    turns = out["episode", "turns"].tolist()
+    assert max(turns) == 3, "the test needs episodes that used every turn"
+    # every episode used its turns or stopped short of them: the last turn of one that used them all is truncated
+    assert all(bool(t) for t, n in zip(out["episode", "truncated"].tolist(), turns) if n == 3)
+
+
+def test_an_episode_ends_within_its_token_budget(tiny):
+    cfg, tok, sampler, options = tiny
+    env = make_env(cfg, tok, split="train", repeats=2, num_envs=4, shuffle=False)
+    policy = make_transformers_policy(sampler, tok, gen_kwargs=options | {"max_new_tokens": 40})
+    policy.turn_env = ScriptedEnv("more", max_turns=10, max_episode_tokens=30)
+    out = policy(env.reset())
+    for td in out.unbind(0):
+        assert td["tokens", "response"].numel() <= 30
+        assert bool(td["episode", "truncated"])  # the environment always answers: only the budget ends it
+
+
+def test_a_turn_ends_at_its_first_stop_token():
+    """An engine that pads finished replies with eos (SmolLM2's generation_config does) or samples past a stop
+    must not turn that into episode tokens: not in the mask, the log-probs or the lengths."""
+    stops = torch.tensor([2, 0])
+    reply, lp, stopped = cut_at_stop(torch.tensor([8, 9, 2, 2, 2]), torch.tensor([-1.0, -0.5, -0.25, -14.0, -13.0]),
+                                     stops)
+    assert reply.tolist() == [8, 9, 2] and lp.tolist() == [-1.0, -0.5, -0.25] and stopped
+    reply, lp, stopped = cut_at_stop(torch.tensor([8, 9, 10]), torch.tensor([-0.2] * 3), stops)
+    assert reply.tolist() == [8, 9, 10] and not stopped

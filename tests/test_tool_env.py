@@ -1,0 +1,80 @@
+"""grpo/tasks/tool_env.py and python_tool.py: tool calls parsed from a turn, run in the real sandbox, every
+malformed call answered with what was wrong (never an exception), and the config's turn settings checked."""
+
+import pytest
+
+from conftest import compose
+from grpo.inference.episode_policy import Episode
+from grpo.process.errors import ConfigError
+from grpo.tasks.python_tool import parse_call
+from grpo.tasks.sandbox import Sandbox, SandboxSettings
+from grpo.tasks.tool_env import PythonToolEnv, check_turn_config
+
+
+def call(code: str) -> str:
+    return '<tool_call>{"name": "python", "arguments": {"code": %s}}</tool_call>' % __import__("json").dumps(code)
+
+
+def episode(*turns: str) -> Episode:
+    """An episode whose assistant turns are ``turns``, the tool having answered each but the last."""
+    messages = []
+    for text in turns[:-1]:
+        messages += [{"role": "assistant", "content": text}, {"role": "tool", "content": "ok"}]
+    return Episode(prompt=[{"role": "user", "content": "q"}], messages=[*messages, {"role": "assistant",
+                                                                                   "content": turns[-1]}], row_index=0)
+
+
+@pytest.mark.parametrize("text, error", [
+    ('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}</tool_call>', "not valid JSON"),
+    ('<tool_call>{"name": "shell", "arguments": {"cmd": "ls"}}</tool_call>', "unknown tool 'shell'"),
+    ('<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}', "no closing </tool_call>"),
+    ('<tool_call>{"name": "python", "arguments": {"source": "print(1)"}}</tool_call>', 'one argument, "code"'),
+    ('<tool_call>[1, 2]</tool_call>', "a JSON object"),
+])
+def test_a_malformed_call_is_named(text, error):
+    code, message = parse_call(text)
+    assert code is None and error in message
+
+
+def test_a_call_s_code_is_read_whether_its_arguments_are_an_object_or_a_json_string():
+    assert parse_call("I will compute. " + call("print(6 * 7)")) == ("print(6 * 7)", None)
+    assert parse_call('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>') == (
+        "print(1)", None)
+
+
+@pytest.fixture(scope="module")
+def tool_env():
+    return PythonToolEnv(Sandbox(SandboxSettings(timeout_s=2.0, cpu_s=2, workers=4)), max_turns=4,
+                         max_episode_tokens=400, max_calls=2)
+
+
+def test_the_tool_answers_a_batch_at_once_and_every_bad_call_gets_a_message_not_an_exception(tool_env):
+    episodes = [episode(call("print(2 ** 100)")),
+                episode("<tool_call>{oops}</tool_call>"),
+                episode(call("while True: pass")),                      # held to its timeout, alone
+                episode(call("print(1)"), call("print(2)"), call("print(3)")),  # a third call past max_calls=2
+                episode(call("raise ValueError('bad input')")),
+                episode(call("x = 1"))]
+    assert all(tool_env.answers(e) for e in episodes) and not tool_env.answers(episode("The answer is 4."))
+    turns = tool_env.respond(episodes)
+    assert [t.message["role"] for t in turns] == ["tool"] * 6
+    assert turns[0].message["content"].strip() == str(2 ** 100) and turns[0].counts == {
+        "tool_calls": 1, "tool_timeouts": 0, "tool_errors": 0}
+    assert "not valid JSON" in turns[1].message["content"] and turns[1].counts["tool_errors"] == 1
+    assert turns[2].counts["tool_timeouts"] == 1 and "timed out" in turns[2].message["content"]
+    assert "no more tool calls" in turns[3].message["content"]
+    assert "ValueError: bad input" in turns[4].message["content"] and turns[4].counts["tool_errors"] == 1
+    assert "no output" in turns[5].message["content"]
+
+
+@pytest.mark.parametrize("overrides, error", [
+    (["env.max_turns=3"], "needs something to answer between turns"),
+    (["env.tools=[python]"], "env.max_turns=1 leaves no turn"),
+    (["env.tools=[shell]", "env.max_turns=2"], "the tools are [python]"),
+    (["env.tools=[python]", "env.max_turns=2", "env.turn_env=x.py:Env"], "one answers between turns"),
+    (["env.max_turns=0"], "at least one assistant turn"),
+    (["env.max_episode_tokens=-5"], "a positive number of tokens"),
+])
+def test_turn_settings_that_cannot_work_are_refused_in_one_line(overrides, error):
+    with pytest.raises(ConfigError, match=__import__("re").escape(error)):
+        check_turn_config(compose("grpo_tiny", overrides))
