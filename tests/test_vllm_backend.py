@@ -299,9 +299,9 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
         assert type(inf).__name__ == "VLLMInference" and inf.version == 0
         # the engine stops on the ids the trainer cuts replies at, and samples with top_k off
         assert tokenizer.pad_token_id in stop_ids and tokenizer.eos_token_id in stop_ids
-        for policy in (inf.policy, inf.greedy_policy):
-            assert sorted(policy.sampling_params.stop_token_ids) == stop_ids
-        assert inf.policy.sampling_params.top_k in (0, -1)
+        for params in inf.sampling_params.values():
+            assert sorted(params.stop_token_ids) == stop_ids
+        assert inf.sampling_params[False].top_k in (0, -1)
         handed = []
         inf.on_sampled = lambda prompts, replies: handed.append((prompts, replies))
         with set_list_to_stack(True):

@@ -152,11 +152,15 @@ class EpisodePolicy(torch.nn.Module):
         episodes = self.run_episodes(prompts, history, rows)
         if self.on_sampled is not None:
             self.on_sampled(prompts, [e.tokens() for e in episodes])
-        response = lazy_stack([lazy_stack([History(role=m["role"], content=m["content"], is_complete=m["complete"])
-                                           for m in e.messages]) for e in episodes])
-        tensordict.set("history", ChatHistory(prompt=history, response=response,
-                                              full=history.extend(response, inplace=False, dim=-1),
-                                              batch_size=tensordict.batch_size))
+        def histories(conversations: list[list[dict]]):  # one History a message: ragged rows, lazily stacked
+            return lazy_stack([lazy_stack([History(role=m["role"], content=m["content"],
+                                                   is_complete=m.get("complete", True)) for m in messages])
+                               for messages in conversations])
+
+        tensordict.set("history", ChatHistory(
+            prompt=history, response=histories([e.messages for e in episodes]),
+            full=histories([prompt + e.messages for prompt, e in zip(prompt_messages(history), episodes)]),
+            batch_size=tensordict.batch_size))
         for row, prompt, episode in zip(tensordict.unbind(0), prompts, episodes):
             tokens = episode.tokens()
             row.set(("tokens", "prompt"), prompt)
@@ -176,8 +180,7 @@ class EpisodePolicy(torch.nn.Module):
         env = self.turn_env
         max_turns = env.max_turns if env is not None else 1
         budget = env.max_episode_tokens if env is not None else self.max_new_tokens
-        prompt_messages = [[{"role": r, "content": c} for r, c in zip(roles, texts)]
-                           for roles, texts in zip(history.role, history.content)]
+        prompts_as_messages = prompt_messages(history)
         episodes = [EpisodeState(prompt) for prompt in prompts]
         active = list(range(len(prompts)))
         for turn in range(max_turns):
@@ -194,7 +197,7 @@ class EpisodePolicy(torch.nn.Module):
                 if not stopped:  # cut by the reply cap or the budget: a turn cannot go on once cut
                     episode.truncated = True
                     continue
-                as_seen = Episode(prompt_messages[i], episode.messages, rows[i])
+                as_seen = Episode(prompts_as_messages[i], episode.messages, rows[i])
                 if env is None or not env.answers(as_seen):
                     continue  # the final answer
                 if turn == max_turns - 1:
@@ -261,6 +264,11 @@ class EpisodeState:
         self.sampled.append(torch.zeros(tokens.numel(), dtype=torch.bool))
         self.messages.append({"role": message["role"], "content": message["content"], "complete": True})
         self.length += tokens.numel()
+
+
+def prompt_messages(history) -> list[list[dict]]:
+    """Each prompt's chat history as ``{"role", "content"}`` messages."""
+    return [[{"role": r, "content": c} for r, c in zip(roles, texts)] for roles, texts in zip(history.role, history.content)]
 
 
 def pad_prompts(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,11 @@ Once per reply, with keyword arguments, of which it gets those it names::
 
 - ``prompt``: the row's prompt text as the user turn holds it, without system prompt or chat
   template (the ``env.prompt_key`` column; GSM8K's ``question``, IFEval's ``prompt``);
-- ``reply``: the model's reply, trailing special tokens (``<|im_end|>``, eos, padding) removed;
+- ``reply``: the model's reply (an episode's last assistant turn: its final answer), trailing special tokens
+  (``<|im_end|>``, eos, padding) removed;
+- ``episode``: the whole episode after the prompt, a list of ``{"role", "content"}`` messages: the assistant's
+  turns and, between them, the environment's (``tool`` messages: what the Python tool printed); one message for
+  a single-turn task;
 - ``answer``: the ``env.answer_key`` column, when that is set (generic task);
 - every column of the row under its own name; ``**row`` takes them all.
 
@@ -76,7 +80,7 @@ from grpo.process.errors import ConfigError, RewardTimeout
 from grpo.process.setup import REPO_ROOT, raise_if_stop_signalled
 from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
 
-FIXED_ARGUMENTS = ("prompt", "reply")  # every call offers these; "answer" too when env.answer_key is set
+FIXED_ARGUMENTS = ("prompt", "reply", "episode")  # every call offers these; "answer" too when env.answer_key is set
 
 
 @dataclass(frozen=True)
@@ -208,7 +212,7 @@ def load_reward_function(spec: str, index: int) -> RewardFunction:
     by_name = [p for p in parameters if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
     names = frozenset(p.name for p in by_name)
     takes_all = any(p.kind is kinds.VAR_KEYWORD for p in parameters)
-    if "reply" not in names and not takes_all:
+    if not {"reply", "episode"} & names and not takes_all:
         raise ConfigError(f"{key}: {name}{inspect.signature(fn)} never sees the reply it should score; define it "
                           f"as def {name}(prompt, reply, **row) -> float (or name the columns it needs besides reply).")
     return RewardFunction(key=key, fn=fn, batched=bool(getattr(fn, "batched", False)), names=names,
@@ -308,9 +312,10 @@ class UserRewards(Transform):
             return next_tensordict
         row_indices = tensordict["row_index"].reshape(-1).tolist()
         arguments = []
-        for row_index, reply in zip(row_indices, self._replies(tensordict), strict=True):
+        for row_index, reply, episode in zip(row_indices, self._replies(tensordict), self._episodes(tensordict),
+                                             strict=True):
             row = self.rows[row_index]
-            fixed = {"prompt": row[self.prompt_key], "reply": reply}
+            fixed = {"prompt": row[self.prompt_key], "reply": reply, "episode": episode}
             if self.answer_key:
                 fixed["answer"] = row[self.answer_key]
             arguments.append({**row, **fixed})
@@ -338,6 +343,13 @@ class UserRewards(Transform):
             text = content.data if isinstance(content, NonTensorData) else content
             texts.append(strip_trailing_special_tokens(text or "", self.specials))
         return texts
+
+    @staticmethod
+    def _episodes(tensordict: TensorDictBase) -> list[list[dict]]:
+        """Each env's episode after its prompt, as messages."""
+        response = tensordict.get(("history", "response"))
+        return [[{"role": role, "content": content} for role, content in zip(response[i].role, response[i].content)]
+                for i in range(tensordict.batch_size[0])]
 
     def transform_reward_spec(self, reward_spec: Composite) -> Composite:
         if self.sole:  # otherwise the task's reward transform declared reward already
