@@ -29,8 +29,12 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     column = prompt_column(cfg)
     bound = PromptLengthBound(tokenizer, system, tools)
     im = cfg.inference_model
-    for split, key, reply in ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
-                              (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
+    replies = ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
+               (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens))
+    if cfg.env.max_turns > 1:  # an episode of several turns: its whole budget after the prompt
+        budget = cfg.env.max_episode_tokens or cfg.env.max_turns * im.max_new_tokens
+        replies = tuple((split, "env.max_episode_tokens", budget) for split, _, _ in replies)
+    for split, key, reply in replies:
         prompts = column_values(splits[split], column)
         room = im.max_model_len - reply
         maybe_long = [i for i, prompt in enumerate(prompts) if bound(prompt) > room]
