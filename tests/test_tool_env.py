@@ -6,7 +6,7 @@ import pytest
 from conftest import compose
 from grpo.inference.episode_policy import Episode
 from grpo.process.errors import ConfigError
-from grpo.tasks.python_tool import parse_call
+from grpo.tasks.python_tool import holds_call, parse_call
 from grpo.tasks.sandbox import Sandbox, SandboxSettings
 from grpo.tasks.tool_env import PythonToolEnv, check_turn_config
 
@@ -38,6 +38,10 @@ def test_a_malformed_call_is_named(text, error):
 
 def test_a_call_s_code_is_read_whether_its_arguments_are_an_object_or_a_json_string():
     assert parse_call("I will compute. " + call("print(6 * 7)")) == ("print(6 * 7)", None)
+    # Qwen2.5-Coder-0.5B's own habit: the call as a fenced JSON object
+    fenced = '```json\n{"name": "python", "arguments": {"code": "print(18 + 10)"}}\n```'
+    assert holds_call(fenced) and parse_call(fenced) == ("print(18 + 10)", None)
+    assert not holds_call('```python\nprint(1)\n```') and not holds_call("The answer is 4.")
     assert parse_call('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>') == (
         "print(1)", None)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from grpo.inference.episode_policy import EnvTurn, Episode, TurnEnv
 from grpo.process.errors import ConfigError
-from grpo.tasks.python_tool import CALL_CLOSE, CALL_OPEN, PYTHON_TOOL, parse_call
+from grpo.tasks.python_tool import CALL_CLOSE, PYTHON_TOOL, holds_call, parse_call
 from grpo.tasks.user_rewards import import_object
 
 NO_OUTPUT = "[no output: print() what you want to see]"
@@ -28,7 +28,7 @@ class PythonToolEnv:
         self.sandbox, self.max_turns, self.max_episode_tokens, self.max_calls = sandbox, max_turns, max_episode_tokens, max_calls
 
     def answers(self, episode: Episode) -> bool:
-        return CALL_OPEN in episode.messages[-1]["content"]
+        return holds_call(episode.messages[-1]["content"])
 
     def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
         answers: list[EnvTurn | None] = []
