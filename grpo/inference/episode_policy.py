@@ -30,6 +30,7 @@ Writes, as TorchRL's wrappers lay them out (and the envs, rewards, eval and ``gr
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -132,6 +133,7 @@ class EpisodePolicy(torch.nn.Module):
         self.sample, self.tokenizer, self.max_new_tokens, self.pad_id = sample, tokenizer, max_new_tokens, pad_id
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
         self.turn_env, self.on_sampled = turn_env, None
+        self.env_seconds = 0.0  # spent waiting on the turn environment (the engine idle meanwhile), so far
         self.env_tokens = EnvTurnTokens(tokenizer)
         # what a turn's last token decodes to, when it is a special stop token (eos): cut from the message's text; a
         # plain one (a tool call's closing tag) is part of what the model wrote
@@ -207,7 +209,10 @@ class EpisodePolicy(torch.nn.Module):
             active = []
             if not answered:
                 break
-            for (i, as_seen), env_turn in zip(answered, env.respond([seen for _, seen in answered]), strict=True):
+            start = time.perf_counter()
+            env_turns = env.respond([seen for _, seen in answered])
+            self.env_seconds += time.perf_counter() - start
+            for (i, as_seen), env_turn in zip(answered, env_turns, strict=True):
                 episode = episodes[i]
                 for name, count in env_turn.counts.items():
                     episode.counts[name] = episode.counts.get(name, 0) + int(count)

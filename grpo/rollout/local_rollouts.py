@@ -49,7 +49,7 @@ class CollectorRollouts:
         self.batches = iter(collector)
         self.batches_per_step = env_batches_per_draw(cfg)
         self.taken: list[int] = []  # the prompt batches this step's collections drew
-        self.generation_s = self.slowest_rank_s = self.engine_s = 0.0
+        self.generation_s = self.slowest_rank_s = self.engine_s = self.env_s = 0.0
         self.engines_mismatched = 0
 
     def next_rollouts(self, trainer_version: int, seed: int | None = None) -> Replies | None:
@@ -60,7 +60,7 @@ class CollectorRollouts:
                 seed = int(torch.randint(2**62, ()))
                 self.world.lead("generate", trainer_version, seed)
             torch.manual_seed(seed + self.world.rank)
-        t0, engine_s = time.perf_counter(), self.engine.generate_s
+        t0, engine_s, env_s = time.perf_counter(), self.engine.generate_s, self.engine.policy.env_seconds
         self.taken.extend(self.ledger.take() for _ in range(self.batches_per_step))  # the batches it draws next
         own, failure = None, None
         try:
@@ -71,6 +71,7 @@ class CollectorRollouts:
             failure = err
         own_s = time.perf_counter() - t0
         self.engine_s += self.engine.generate_s - engine_s
+        self.env_s += self.engine.policy.env_seconds - env_s
         # each engine's weights, read back: every push must have reached every rank's engine
         checksum = self.engine.weights_checksum() if self.world.size > 1 else None
         shares = self.world.gather_to_main((own, own_s, checksum, sendable(failure)))
@@ -95,9 +96,10 @@ class CollectorRollouts:
 
     def step_metrics(self) -> dict:
         # rank 0's parts of generation_s: in the engine's generate calls, and in the reward functions
+        # generation_env_s: waiting on the turn environment (a tool's calls), the engine idle meanwhile
         metrics = {"generation_s": self.generation_s, "generation_engine_s": self.engine_s,
-                   "reward_s": take_reward_seconds(self.env)}
-        self.generation_s = self.engine_s = 0.0
+                   "generation_env_s": self.env_s, "reward_s": take_reward_seconds(self.env)}
+        self.generation_s = self.engine_s = self.env_s = 0.0
         if self.world.size > 1:  # the slowest rank's own generation; engines that missed a push (must stay 0)
             metrics |= {"generation_s_slowest_rank": self.slowest_rank_s,
                         "engine_weights_mismatched": self.engines_mismatched}

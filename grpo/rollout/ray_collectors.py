@@ -37,7 +37,7 @@ from grpo.tasks.data import PromptLedger, serve_from
 from grpo.tasks.user_rewards import take_reward_seconds
 from grpo.training.models import torch_dtype
 
-GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s", "engine_s")
+GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s", "engine_s", "env_s")
 
 
 @ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
@@ -91,9 +91,10 @@ class RolloutWorker:
         self._own_gpu_current()
         self._apply_pending_weights(stats)
         serve_from(self.env, self.collector, batch_index)
-        engine_s = self.inference.generate_s
+        engine_s, env_s = self.inference.generate_s, self.inference.policy.env_seconds
         batch = Replies.from_collector(next(self.batches))
         stats["engine_s"] = self.inference.generate_s - engine_s
+        stats["env_s"] = self.inference.policy.env_seconds - env_s  # waiting on the turn environment (tools)
         stats["reward_s"] = take_reward_seconds(self.env)
         stats["replies"] = len(batch)
         stats["tokens"] = int(batch.reply_lengths.sum())
@@ -331,6 +332,7 @@ class RolloutPool:
             "collector_weight_apply_s": since["weight_apply_s"],
             "reward_s": since["reward_s"],  # in the workers' reward functions, summed over the batches taken
             "generation_engine_s": since["engine_s"],  # in the workers' engines' generate calls, likewise
+            "generation_env_s": since["env_s"],  # waiting on their turn environments (tools), likewise
             "collector_version_min": min(self.versions.values()),
             "weight_pushes_verified": self.pushes["verified"], "weight_pushes_mismatched": self.pushes["mismatched"],
             "worker_restarts": self.restarts,
