@@ -137,6 +137,7 @@ def rollout_metrics(replies: Replies, batch: TensorDict) -> dict:
         # the model's own tokens: an episode's environment turns are not its reply
         "response_length": batch["sampled_length"].float().mean().item(),
         "response_length_max": int(batch["sampled_length"].max()),
+        "sampled_tokens": int(batch["sampled_length"].sum()),  # the model's tokens the step trained on
         # episodes cut short of a final answer: by max_new_tokens, env.max_turns or env.max_episode_tokens
         "response_truncated_fraction": 1 - batch["reply_stopped"].float().mean().item(),
         "episode/turns": replies.turns.float().mean().item(),
