@@ -25,6 +25,7 @@ def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[di
     env.reset_dataloader()  # always the same problems, from the start of the split
     values = {name: [] for name in [*fields, "reward"]}
     episode = {"response_length": [], "truncated_fraction": [], "turns": [], "tool_calls_per_episode": []}
+    errors = []
     while len(episode["turns"]) < num_problems:
         td = env.step(policy(env.reset()))
         for name, key in [*fields.items(), ("reward", "reward")]:
@@ -34,9 +35,11 @@ def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[di
             episode["truncated_fraction"].append(float(row["episode", "truncated"]))
             episode["turns"].append(int(row["episode", "turns"]))
             episode["tool_calls_per_episode"].append(int(row["episode", "tool_calls"]))
+            errors.append(int(row["episode", "tool_errors"]))
     n = num_problems
     result = {f"eval/{name}": sum(v[:n]) / n for name, v in values.items()}
     result |= {f"eval/{name}": sum(v[:n]) / n for name, v in episode.items()}
+    result["eval/tool_error_rate"] = sum(errors[:n]) / max(sum(episode["tool_calls_per_episode"][:n]), 1)
     scores = values[next(iter(fields))][:n]
     return result | {"eval/accuracy_stderr": standard_error(scores), "eval/num_problems": n}, scores
 
@@ -92,6 +95,9 @@ class Evaluator:
         logger.log_eval_scores(step, scores)
         shown = "".join(f" {name.removeprefix('eval/')} {result[name]:.3f}" for name in EVAL_SHOWN if name in result)
         gain = f", {gain_text(result)} (same problems)" if "eval/gain" in result else ""
+        if result["eval/tool_calls_per_episode"] or result["eval/turns"] > 1:
+            shown += (f" turns {result['eval/turns']:.2f} tool_calls {result['eval/tool_calls_per_episode']:.2f} "
+                      f"tool_errors {result['eval/tool_error_rate']:.2f}")
         tqdm.write(f"step {step}: eval accuracy {result['eval/accuracy']:.3f} ± {result['eval/accuracy_stderr']:.3f} "
                    f"({result['eval/num_problems']} problems){gain}{shown}, "
                    f"reply length {result['eval/response_length']:.0f}")
