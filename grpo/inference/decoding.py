@@ -135,7 +135,7 @@ def decode_step(model, cache, cache_name: str, buf: DecodeBuffers, pad_token_id:
 
 
 class ReplySampler(torch.nn.Module):
-    """What the engine's policy (``grpo.inference.reply_policy``) calls ``generate`` on: samples replies with ``model``,
+    """What the transformers engine's episode policy (``grpo.inference.episode_policy``) calls ``generate`` on: samples replies with ``model``,
     returned as TorchRL's ``TransformersWrapper`` reads them (which can wrap it too).
 
     ``compile``: on a single CUDA device, the decode step (forward, sampler, bookkeeping) is compiled

@@ -83,6 +83,11 @@ class TransformersInference(EnginePolicies):
         pass
 
 
+# a multi-turn batch's later turns sample only the episodes still going, any number of them: rounded up to a multiple
+# of this, a run compiles a handful of decode graphs (0.5B on one GPU: each takes seconds) rather than one per count
+GRAPHED_BATCH_BUCKET = 32
+
+
 def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict) -> EpisodePolicy:
     """The episode policy over ``sampler`` with ``generate_kwargs`` (sampled or greedy; the reply cap a turn). Its
     tensors stay on the CPU, where envs, rewards and buffers live: the sampler takes each turn's prompts to its GPU
@@ -90,11 +95,14 @@ def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: di
     pad = gen_kwargs["pad_token_id"]
 
     def sample(prompts: list[torch.Tensor], max_new_tokens: int):
+        rows = len(prompts)
+        if sampler.graphed:  # each batch size is one more compiled decode graph: a later turn's rows are rounded up
+            prompts = prompts + [prompts[-1]] * (-rows % GRAPHED_BATCH_BUCKET)
         input_ids, attention_mask = pad_prompts(prompts, pad)
         out = sampler.generate(input_ids, attention_mask, **{**gen_kwargs, "max_new_tokens": max_new_tokens})
         generated = out["sequences"][:, input_ids.shape[1]:]
         kept = generated != pad  # a sampled pad ends a reply, as the rest of the rows' padding does
-        return [(reply[keep], lp[keep]) for reply, lp, keep in zip(generated, out["logits"].T, kept)]
+        return [(reply[keep], lp[keep]) for reply, lp, keep in zip(generated[:rows], out["logits"].T, kept)]
 
     return EpisodePolicy(sample, tokenizer, max_new_tokens=gen_kwargs["max_new_tokens"],
                          stop_ids=list(gen_kwargs["eos_token_id"]), pad_id=pad)

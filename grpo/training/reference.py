@@ -2,7 +2,7 @@
 
 After the sampler returns a batch's tokens, the CPU still has work before the batch reaches the step: the policy
 decodes the replies into chat histories, the env scores them, the rows become ``Replies``. That was ~0.6 s at the
-1.5B shape on an H100 host (~0.24 s for 128 replies since ``grpo.inference.reply_policy``, bench_collection.py),
+1.5B shape on an H100 host (~0.24 s for 128 replies since the policy of ``grpo.inference.episode_policy``, bench_collection.py),
 with the GPU idle, against a ~0.5 s reference forward. So where the engine samples in this process
 (``ref_model.score_early``: sync, one trainer rank), it hands each sampled batch to ``score_early``, which queues
 the reference's forward on the GPU and returns without waiting for it (packed rows:
