@@ -32,15 +32,15 @@ def reference(tiny_model_dir):
 
 
 def sampled(n: int, seed: int):
-    """What an engine hands over: prompts of several lengths, replies of one width, some ended by a stop token and
-    followed by pads or other tokens."""
+    """What the episode policy hands over: prompts of several lengths, episodes of several lengths, some ended by a
+    stop token (the policy cut what an engine sampled after it)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 200, (int(torch.randint(2, 9, (), generator=g)),), generator=g) for _ in range(n)]
     replies = [torch.randint(3, 200, (10,), generator=g) for _ in range(n)]
     for i, reply in enumerate(replies):
         if i % 3 == 0:
             reply[4] = EOS
-            reply[5:] = PAD if i % 2 else 7
+            replies[i] = reply[:5]
     return prompts, replies
 
 
@@ -49,7 +49,7 @@ def step_batch(prompts, replies):
     return to_training_batch(Replies.from_sequences(
         prompts=prompts, replies=replies, log_probs=[torch.zeros(r.numel()) for r in replies],
         reward=torch.zeros(len(replies)), success=torch.zeros(len(replies)), row_index=torch.arange(len(replies)),
-        user_prompts=[""] * len(replies)), PAD, [PAD, EOS])
+        user_prompts=[""] * len(replies)), PAD)
 
 
 def test_rows_scored_early_get_the_scores_of_rows_scored_in_the_step(reference):

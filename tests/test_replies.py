@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from grpo.rollout.replies import Replies, last_user_message
+from grpo.rollout.replies import TENSORS, Replies, last_user_message
 from grpo.training.batch import to_training_batch
 from test_step import setup  # noqa: F401 - a fixture: rollouts of the tiny model, 2 groups of 4
 
@@ -47,9 +47,7 @@ def test_tensors_travel_out_of_band_and_come_back_writable(setup):  # noqa: F811
     _, _, _, rollouts, _ = setup
     sent = Replies.from_collector(rollouts)
     received, in_band, out_of_band = through_ray_style_pickle(sent)
-    tensor_bytes = sum(t.numel() * t.element_size() for t in (
-        sent.prompt_tokens, sent.prompt_lengths, sent.reply_tokens, sent.reply_lengths, sent.reply_log_probs,
-        sent.reward, sent.success, sent.row_index))
+    tensor_bytes = sum(getattr(sent, name).numel() * getattr(sent, name).element_size() for name in TENSORS)
     assert out_of_band == tensor_bytes  # every tensor as one raw buffer, none pickled in the stream
     assert in_band < 2 * sum(len(text) for text in sent.user_prompts) + 2000  # the stream: the texts and names
     received.reward += 1  # the trainer's own memory, not the object store's read-only pages

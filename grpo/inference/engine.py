@@ -104,5 +104,7 @@ def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: di
         kept = generated != pad  # a sampled pad ends a reply, as the rest of the rows' padding does
         return [(reply[keep], lp[keep]) for reply, lp, keep in zip(generated[:rows], out["logits"].T, kept)]
 
-    return EpisodePolicy(sample, tokenizer, max_new_tokens=gen_kwargs["max_new_tokens"],
-                         stop_ids=list(gen_kwargs["eos_token_id"]), pad_id=pad)
+    policy = EpisodePolicy(sample, tokenizer, max_new_tokens=gen_kwargs["max_new_tokens"],
+                           stop_ids=list(gen_kwargs["eos_token_id"]), pad_id=pad)
+    policy.generate_kwargs = gen_kwargs  # what it samples with, as transformers names the options
+    return policy
