@@ -562,13 +562,15 @@ def test_overlong_penalty_is_zero_then_linear_over_the_buffer():
 
 
 def rollouts_with_stops(replies: list[list[int]], rewards: list[float], stop: int):
-    """Pairs of replies to one prompt; random sampler log-probs; ``stop`` ends a reply."""
+    """Pairs of replies to one prompt; random sampler log-probs; ``stop`` ends a reply (one without it was cut:
+    truncated, as the episode policy marks it)."""
     g = torch.Generator().manual_seed(0)
     return Replies.from_sequences(
         prompts=[[5, 6, 10 + i // 2] for i in range(len(replies))], replies=replies,
         log_probs=[-torch.rand(len(reply), generator=g) - 0.5 for reply in replies], reward=rewards,
         success=[reward > 0 for reward in rewards], row_index=[i // 2 for i in range(len(replies))],
-        user_prompts=[f"prompt {i // 2}" for i in range(len(replies))])
+        user_prompts=[f"prompt {i // 2}" for i in range(len(replies))],
+        truncated=[reply[-1] != stop for reply in replies])
 
 
 def test_overlong_shaping_penalises_then_filters_cut_replies_out_of_the_loss(setup):
@@ -579,7 +581,7 @@ def test_overlong_shaping_penalises_then_filters_cut_replies_out_of_the_loss(set
     replies = [[8, stop], [8, 9, 11, 12], [8, 9, stop], [8, 9, 11, stop], [9, 9, 9, 9], [8, stop]]
     rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
     step = make_step(cfg, model, max_new_tokens=4, overlong_buffer=2, overlong_penalty=0.5, overlong_filter=True)
-    step.pad_token_id, step.stop_token_ids = 0, [stop]
+    step.pad_token_id = 0
     batch, metrics = step.prepare(rollouts_with_stops(replies, rewards, stop))
     shaped = [1.0, 0.0 - 0.5, 1.0 - 0.25, 1.0 - 0.5, 0.0 - 0.5, 1.0]  # lengths 2, 4, 3, 4, 4, 2
     assert batch["reward"].tolist() == pytest.approx(shaped)
