@@ -320,7 +320,7 @@ CASES = [
     case("reward-function-missing", generic_task("reward.functions=[{tmp}/rewards.py:scor]"), ConfigError,
          "reward.functions[0]=", "defines no 'scor'", "score", "fix the name after the colon"),
     case("reward-function-unknown-parameter", generic_task("reward.functions=[{tmp}/rewards.py:needs_gold]"),
-         ConfigError, "needs_gold(reply, gold)", "needs ['gold']", "prompt, reply, question, answer",
+         ConfigError, "needs_gold(reply, gold)", "needs ['gold']", "prompt, reply, episode, question, answer",
          "give it a default, or take **row"),
     case("reward-function-never-sees-reply", generic_task("reward.functions=[{tmp}/rewards.py:no_reply]"),
          ConfigError, "no_reply(prompt)", "never sees the reply", "def no_reply(prompt, reply, **row)"),

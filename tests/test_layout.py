@@ -7,7 +7,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = sorted(p for p in (REPO / "grpo").rglob("*.py") if p.name not in ("grpo.py", "grpo-async.py"))
-LONG_TABLES = {"ifeval_checks.py"}  # the 25 IFEval instruction checkers, one table
+LONG_TABLES = {"ifeval_checks.py",  # the 25 IFEval instruction checkers, one table
+               "sandbox.py"}  # the launcher and every protection it applies, read together
 # modules of GPU kernels: Triton comes with torch's CUDA wheels only
 NEEDS_TRITON = ({"grpo.training.filled_slots_kernel", "grpo.inference.sampling_kernel"}
                 if importlib.util.find_spec("triton") is None else set())

@@ -9,12 +9,11 @@ import torch
 from conftest import TINY_DATA, compose
 from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings
-from grpo.loop.run import episode_stop_ids
 from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
-from grpo.tasks.tool_env import make_turn_env
+from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.training.logprobs import ReplyLogProbs
-from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer
+from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.training.step import GRPOSettings, GRPOStep
 from grpo.training.trainer import make_optimizer, make_scheduler
 
@@ -36,7 +35,7 @@ def real_tool_step(real_qwen_dir):
     tok = load_tokenizer(cfg.model.name)
     policy, ref = load_policy_model(cfg, tok, cpu), load_reference_model(cfg, tok, cpu)
     inference = TransformersInference(EngineSettings.from_config(cfg), policy, tok, cpu,
-                                      episode_stop_ids(cfg, tok, policy.generation_config))
+                                      turn_stop_ids(cfg, tok, stop_token_ids(tok, policy.generation_config)))
     inference.turn_env = make_turn_env(cfg, tok)
     env = make_env(cfg, tok, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
     rollouts = Replies.from_collector(next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))))

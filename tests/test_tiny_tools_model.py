@@ -153,7 +153,10 @@ def test_data_files(split, n):
             assert 1000 <= a <= 99999 and 100 <= b <= 9999
         else:
             assert 100_000 <= min(a, b) and max(a, b) <= 9_999_999
-    assert rows == (st.make_problems(2256, 0)[:256] if split == "test" else st.make_problems(2256, 0)[256:])
+    # the files are what the builder's seed gives (write_splits: test first)
+    seed = json.loads((MODEL_DIR / "build_info.json").read_text())["seed"]
+    problems = st.make_problems(2256, seed)
+    assert rows == (problems[:256] if split == "test" else problems[256:])
 
 
 def test_splits_are_disjoint():
@@ -167,6 +170,9 @@ def test_model_config(model, tok):
     assert cfg.model_type == "qwen2"
     assert cfg.head_dim == 32 and cfg.hidden_size == 128 and cfg.num_hidden_layers == 3
     assert cfg.max_position_embeddings == 512
+    assert cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 4
+    assert cfg.rope_parameters["rope_theta"] == 1000.0
+    assert cfg.tie_word_embeddings and model.dtype == torch.float32
     assert cfg.vocab_size == len(tok)
     assert model.generation_config.eos_token_id == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
     assert model.generation_config.pad_token_id == tok.pad_token_id

@@ -42,7 +42,7 @@ from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
 from grpo.tasks.envs import load_splits, make_env, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
-from grpo.tasks.tool_env import make_turn_env, tool_stop_ids
+from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.training import checkpoint as ckpt
 from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
@@ -161,7 +161,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     check_prompt_text(cfg, tokenizer, splits)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
     trainer = make_trainer(cfg, tokenizer, devices, World.from_env())
-    stop_ids = episode_stop_ids(cfg, tokenizer, trainer.policy_model.generation_config)
+    stop_ids = turn_stop_ids(cfg, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config))
     engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
     engine.turn_env = make_turn_env(cfg, tokenizer)  # what answers between turns (None: one turn an episode)
@@ -193,11 +193,6 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
                evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
-
-
-def episode_stop_ids(cfg, tokenizer, generation_config) -> list[int]:
-    """Every id that ends an assistant turn: the model's (``stop_token_ids``) and a tool call's closing tag."""
-    return sorted({*stop_token_ids(tokenizer, generation_config), *tool_stop_ids(cfg, tokenizer)})
 
 
 def checkpoints_at_once(cfg, start_step: int, written: int) -> int:
@@ -245,7 +240,7 @@ def follow_run(own_gpu: int | None = None) -> int:
     if devices.generating_ranks == 1:
         return trainer.follow()
     # sync with an engine per rank: this rank generates its share of every step too
-    generation = RankGeneration(cfg, tokenizer, episode_stop_ids(cfg, tokenizer, trainer.policy_model.generation_config),
+    generation = RankGeneration(cfg, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config),
                                 devices.for_rank(world.rank, world.size).torch_device("inference"), world)
     try:
         return trainer.follow(generation)

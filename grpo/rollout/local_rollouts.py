@@ -31,7 +31,7 @@ from grpo.rollout.dynamic_sampling import env_batches_per_draw
 from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, data_primer, serve_from
 from grpo.tasks.envs import make_collector, make_env
-from grpo.tasks.tool_env import make_turn_env
+from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.tasks.user_rewards import take_reward_seconds
 
 
@@ -140,8 +140,9 @@ class RankGeneration:
     source, built when rank 0 builds its own (``rollouts``, with the prompt batch rank 0's ledger starts at); then
     each collection rank 0 leads (``generate``)."""
 
-    def __init__(self, cfg, tokenizer, stop_ids: list[int], device, world: World):
-        self.cfg, self.tokenizer, self.stop_ids, self.device, self.world = cfg, tokenizer, stop_ids, device, world
+    def __init__(self, cfg, tokenizer, model_stop_ids: list[int], device, world: World):
+        self.cfg, self.tokenizer, self.device, self.world = cfg, tokenizer, device, world
+        self.stop_ids = turn_stop_ids(cfg, tokenizer, model_stop_ids)  # rank 0's engine's: a tool call's tag too
         self.engine, self.source = None, None
         self.commands = {"rollouts": self.start, "generate": lambda version, seed: self.source.next_rollouts(version, seed)}
 

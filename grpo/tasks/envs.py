@@ -1,10 +1,7 @@
 """TorchRL LLM environments for the tasks, reading hub or local data.
 
-Each env is a ``DatasetChatEnv``: a reset draws prompts from the data set, repeats each
-``env.repeats`` times (one GRPO group), and a step scores the assistant's reply.
-``num_envs`` prompts-times-repeats are generated together in one batch.
-
-Tasks: ``gsm8k`` and ``ifeval`` (their data formats and rewards), and ``generic``: your data, one
+Each env is a ``DatasetChatEnv``: a reset draws prompts, repeats each ``env.repeats`` times (one GRPO group), and
+one step scores a whole episode, whose turns the policy ran (``grpo.inference.episode_policy``). Tasks: ``gsm8k`` and ``ifeval`` (their data formats and rewards), and ``generic``: your data, one
 prompt column (``env.prompt_key``) sent through the model's chat template, scored by your reward
 functions alone (``reward.functions``, grpo.tasks.user_rewards), which the other two add to their own.
 """
@@ -258,10 +255,9 @@ class GroupPromptTokens(IncrementalTokenizer):
 
     Without prompt tokens TorchRL's wrappers render the chat template twice a reply (the prompt's text, then its
     tokens): 0.17 of the 0.44 s a 128-reply collection spent outside the sampler (one CPU thread,
-    benchmarks/bench_collection.py). A group's ``env.repeats`` replies share one prompt. ``tools``: rendered into
-    every prompt by the chat template (the tools of ``env.tools``)."""
+    benchmarks/bench_collection.py). A group's ``env.repeats`` replies share one prompt."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None = None):
+    def __init__(self, tokenizer, tools: list[dict] | None = None):  # tools: rendered into every prompt
         super().__init__(tokenizer)
         self.tools = tools
 
@@ -270,8 +266,7 @@ class GroupPromptTokens(IncrementalTokenizer):
         first_row = {}
         for row, prompt in enumerate(prompts):
             first_row.setdefault(prompt, row)
-        distinct = history[list(first_row.values())]
-        rendered = distinct.apply_chat_template(
+        rendered = history[list(first_row.values())].apply_chat_template(
             tokenizer=self.tokenizer, tokenize=True, padding=False, return_dict=True, tools=self.tools,
             add_generation_prompt=self.add_generation_prompt if add_generation_prompt is None else add_generation_prompt)
         tokens = dict(zip(first_row, rendered.get("input_ids", as_list=True)))
@@ -297,7 +292,7 @@ def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle
     scoring the replies to the rows it draws (its data primer's), and the prompts' tokens at each reset."""
     task = task_of(cfg)
     env = task.build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs, shuffle=shuffle)
-    env.append_transform(GroupPromptTokens(tokenizer, env_tools(cfg)))
+    env.append_transform(GroupPromptTokens(tokenizer, tools=env_tools(cfg)))
     if cfg.reward.functions:
         env.append_transform(UserRewards(
             load_reward_functions(cfg.reward.functions), cfg.reward.weights, data_primer(env).dataloader.rows,
@@ -321,7 +316,7 @@ def inverts_nothing(transform: Transform) -> bool:
 
 
 class OneTurnCollector(LLMCollector):
-    """TorchRL's LLM collector for one-turn envs (every task here ends its episode after one reply).
+    """TorchRL's LLM collector for envs of one step (here every episode, its turns run by the policy, is one step).
 
     TorchRL's generic loop steps with ``step_and_maybe_reset``, which first builds every env's next
     observation (``step_mdp`` over the lazily stacked chat histories, one env at a time) although all of them

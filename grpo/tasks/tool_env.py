@@ -14,7 +14,7 @@ from __future__ import annotations
 from grpo.inference.episode_policy import EnvTurn, Episode, TurnEnv
 from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import CALL_CLOSE, PYTHON_TOOL, holds_call, parse_call
-from grpo.tasks.user_rewards import import_object
+from grpo.tasks.user_code import import_object
 
 NO_OUTPUT = "[no output: print() what you want to see]"
 
@@ -82,13 +82,11 @@ def env_tools(cfg) -> list[dict] | None:
     return [PYTHON_TOOL] if list(cfg.env.tools) == ["python"] else None
 
 
-def tool_stop_ids(cfg, tokenizer) -> list[int]:
-    """The ids a turn also ends on: the tool call's closing tag, where the tokenizer holds it as one token
-    (Qwen2.5 does), so the model never writes a tool's answer itself."""
-    if list(cfg.env.tools) != ["python"]:
-        return []
-    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False)
-    return ids if len(ids) == 1 else []
+def turn_stop_ids(cfg, tokenizer, model_stop_ids: list[int]) -> list[int]:
+    """Every id that ends an assistant turn: the model's own (``model_stop_ids``) and, with the Python tool, a call's
+    closing tag where the tokenizer holds it as one token (Qwen2.5 does): the model never writes the tool's answer."""
+    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False) if list(cfg.env.tools) == ["python"] else []
+    return sorted({*model_stop_ids, *(ids if len(ids) == 1 else [])})
 
 
 def check_turn_config(cfg) -> None:

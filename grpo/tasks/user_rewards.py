@@ -17,9 +17,9 @@ Once per reply, with keyword arguments, of which it gets those it names::
   template (the ``env.prompt_key`` column; GSM8K's ``question``, IFEval's ``prompt``);
 - ``reply``: the model's reply (an episode's last assistant turn: its final answer), trailing special tokens
   (``<|im_end|>``, eos, padding) removed;
-- ``episode``: the whole episode after the prompt, a list of ``{"role", "content"}`` messages: the assistant's
-  turns and, between them, the environment's (``tool`` messages: what the Python tool printed); one message for
-  a single-turn task;
+- ``episode`` (only to a function that names it): the whole episode after the prompt, a list of ``{"role",
+  "content"}`` messages: the assistant's turns and, between them, the environment's (``tool`` messages: what the
+  Python tool printed); one message for a single-turn task;
 - ``answer``: the ``env.answer_key`` column, when that is set (generic task);
 - every column of the row under its own name; ``**row`` takes them all.
 
@@ -55,20 +55,14 @@ spent in them are each step's ``reward_s`` in metrics.jsonl.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -77,8 +71,9 @@ from torchrl.data import Composite, Unbounded
 from torchrl.envs import Compose, Transform
 
 from grpo.process.errors import ConfigError, RewardTimeout
-from grpo.process.setup import REPO_ROOT, raise_if_stop_signalled
+from grpo.process.setup import raise_if_stop_signalled
 from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
+from grpo.tasks.user_code import import_object
 
 FIXED_ARGUMENTS = ("prompt", "reply", "episode")  # every call offers these; "answer" too when env.answer_key is set
 
@@ -106,7 +101,9 @@ class RewardFunction:
     def __call__(self, arguments: list[dict], row_indices: list[int], where: str, timeout_s: float) -> list[float]:
         """One number per reply; ``arguments[j]`` is everything offered for reply ``j``. A call taking over
         ``timeout_s`` seconds raises RewardTimeout."""
-        passed = [a if self.takes_all else {k: v for k, v in a.items() if k in self.names} for a in arguments]
+        # **row takes the row's columns, prompt and reply; the episode goes to a function that names it
+        passed = [{k: v for k, v in a.items() if k in self.names or (self.takes_all and k != "episode")}
+                  for a in arguments]
         if not self.batched:
             values = self._calls([(f"row {row}", kw) for kw, row in zip(passed, row_indices)], where, timeout_s)
             return [self._number(value, row, where) for value, row in zip(values, row_indices)]
@@ -192,12 +189,7 @@ def parse_spec(spec: str, index: int) -> tuple[str, str, str]:
 def load_reward_function(spec: str, index: int) -> RewardFunction:
     """Import ``reward.functions[index]`` and read its signature; every problem is a ConfigError."""
     key, where, name = parse_spec(spec, index)
-    module = _import_file(where, key) if where.endswith(".py") or "/" in where else _import_module(where, key)
-    fn = getattr(module, name, None)
-    if fn is None:
-        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and not n.startswith("_"))
-        raise ConfigError(f"{key}: {where} defines no {name!r} (its functions: {', '.join(defined) or 'none'}); "
-                          "fix the name after the colon.")
+    fn = import_object(spec, key)
     if not callable(fn):
         raise ConfigError(f"{key}: {name} is a {type(fn).__name__}, not a function.")
     try:
@@ -217,62 +209,6 @@ def load_reward_function(spec: str, index: int) -> RewardFunction:
                           f"as def {name}(prompt, reply, **row) -> float (or name the columns it needs besides reply).")
     return RewardFunction(key=key, fn=fn, batched=bool(getattr(fn, "batched", False)), names=names,
                           required=frozenset(p.name for p in by_name if p.default is p.empty), takes_all=takes_all)
-
-
-def _import_file(where: str, key: str):
-    path = Path(where).expanduser()
-    candidates = [path] if path.is_absolute() else [Path.cwd() / path, REPO_ROOT / path]
-    found = next((p.resolve() for p in candidates if p.is_file()), None)
-    if found is None:
-        raise ConfigError(f"{key}: no file {where} (looked in {', '.join(str(p.parent) for p in candidates)}); give "
-                          "the path of a .py file, absolute or relative to the working directory.")
-    # one module per file, registered so that dataclasses and pickling in it work
-    name = f"_reward_file_{found.stem}_{hashlib.sha1(str(found).encode()).hexdigest()[:8]}"
-    if name not in sys.modules:
-        module_spec = importlib.util.spec_from_file_location(name, found)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except (ImportError, SyntaxError) as err:
-            del sys.modules[name]
-            raise ConfigError(f"{key}: importing {found} failed ({type(err).__name__}: {err}); fix it or install "
-                              "what it imports.") from err
-        except BaseException:
-            del sys.modules[name]
-            raise
-    return sys.modules[name]
-
-
-def _import_module(where: str, key: str):
-    if not all(part.isidentifier() for part in where.split(".")):
-        raise ConfigError(f"{key}: {where!r} is no module path (dotted names) nor a .py file path.")
-    for root in (os.getcwd(), str(REPO_ROOT)):  # `python grpo/grpo.py` puts neither on sys.path
-        if root not in sys.path:
-            sys.path.append(root)
-    try:
-        return importlib.import_module(where)
-    except ModuleNotFoundError as err:
-        if err.name and (where == err.name or where.startswith(err.name + ".")):
-            raise ConfigError(f"{key}: no module {err.name!r} in the working directory ({os.getcwd()}), the repo root "
-                              "or PYTHONPATH; run from the folder that holds it, add that folder to PYTHONPATH, or "
-                              "give path/to/file.py:function.") from err
-        raise ConfigError(f"{key}: importing {where} failed ({err}); install what it imports.") from err
-    except (ImportError, SyntaxError) as err:
-        raise ConfigError(f"{key}: importing {where} failed ({type(err).__name__}: {err}); fix it.") from err
-
-
-def import_object(spec: str, key: str):
-    """What ``module.path:Name`` or ``path/to/file.py:Name`` names (a user's class, say), imported; every problem
-    is a ConfigError naming ``key``."""
-    where, colon, name = str(spec).rpartition(":")
-    if not colon or not where or not name.isidentifier():
-        raise ConfigError(f"{key}={spec!r}: write module.path:Name or path/to/file.py:Name.")
-    module = _import_file(where, key) if where.endswith(".py") or "/" in where else _import_module(where, key)
-    found = getattr(module, name, None)
-    if found is None:
-        raise ConfigError(f"{key}: {where} defines no {name!r}; fix the name after the colon.")
-    return found
 
 
 def load_reward_functions(specs) -> list[RewardFunction]:
@@ -312,8 +248,8 @@ class UserRewards(Transform):
             return next_tensordict
         row_indices = tensordict["row_index"].reshape(-1).tolist()
         arguments = []
-        for row_index, reply, episode in zip(row_indices, self._replies(tensordict), self._episodes(tensordict),
-                                             strict=True):
+        replies = self._replies(tensordict)
+        for row_index, reply, episode in zip(row_indices, replies, self._episodes(tensordict, replies), strict=True):
             row = self.rows[row_index]
             fixed = {"prompt": row[self.prompt_key], "reply": reply, "episode": episode}
             if self.answer_key:
@@ -345,9 +281,11 @@ class UserRewards(Transform):
         return texts
 
     @staticmethod
-    def _episodes(tensordict: TensorDictBase) -> list[list[dict]]:
-        """Each env's episode after its prompt, as messages."""
-        response = tensordict.get(("history", "response"))
+    def _episodes(tensordict: TensorDictBase, replies: list[str]) -> list[list[dict]]:
+        """Each env's episode after its prompt, as messages (a policy that wrote no response history: the reply)."""
+        response = tensordict.get(("history", "response"), None)
+        if response is None:
+            return [[{"role": "assistant", "content": reply}] for reply in replies]
         return [[{"role": role, "content": content} for role, content in zip(response[i].role, response[i].content)]
                 for i in range(tensordict.batch_size[0])]
 

@@ -5,8 +5,7 @@
     reward    -= overlong penalty                          DAPO's soft penalty over the last reward.overlong_buffer tokens
     kl_ref     = k3(sampler || ref) per reply              logged; subtracted from the reward or a loss term
     advantage  = (r - mean_group) / std_group              replies to one prompt form a group (dr_grpo: no / std)
-    reply_mask = sampled tokens                            an episode's environment turns never trained on;
-                                                           train.overlong_filter: truncated episodes not trained
+    reply_mask = sampled tokens                            never a tool's; train.overlong_filter: no truncated episode
     for epoch, minibatch (micro-batches of similar lengths, accumulated):
         ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, truncated IS);
                                                            per token (gspo: per reply, geometric mean)
@@ -103,8 +102,7 @@ class GRPOStep:
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         # the reference's scores: of rows the sampler handed it early (grpo.training.reference), or scored here
         self.ref = ReferenceScores(ReplyLogProbs(ref_model, settings.temperature, settings.packed_sequences), settings,
-                                   pad_token_id=pad_token_id, world=world) \
-            if ref_model is not None else None
+                                   pad_token_id=pad_token_id, world=world) if ref_model is not None else None
         self.pad_token_id = pad_token_id
         if settings.compile:  # fewer, fused kernels: 1.5B on an H100, train part 3.69 -> 2.65 s, reference 0.83 -> 0.57 s
             policy.compile_for_training()
