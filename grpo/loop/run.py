@@ -73,10 +73,9 @@ class Run:
     def train_on(self, rollouts) -> dict:
         """One GRPO step on a batch of whole groups, its samples shown first (a step that fails still shows
         what it trained on); returns its metrics."""
-        every = self.cfg.logging.samples_every
-        if every and self.step % every == 0:
-            self.records.logger.log_samples(self.step, reply_samples(rollouts, self.cfg.logging.samples_count,
-                                                                     self.tokenizer))
+        logging = self.cfg.logging
+        if logging.samples_every and self.step % logging.samples_every == 0:
+            self.records.logger.log_samples(self.step, reply_samples(rollouts, logging.samples_count, self.tokenizer))
         return self.trainer.update(rollouts, self.step)
 
     def evaluate_if_due(self, force: bool = False) -> None:
