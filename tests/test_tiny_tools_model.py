@@ -10,9 +10,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from grpo.tasks.python_tool import PYTHON_TOOL  # noqa: E402
-from tools import synthetic_tools as st  # noqa: E402
-from tools import tiny_tools as tt  # noqa: E402
+from grpo.tasks.python_tool import PYTHON_TOOL
+from tools import synthetic_tools as st
+from tools import tiny_tools as tt
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "assets" / "tiny-tools-model"
