@@ -45,6 +45,7 @@ __all__ = [
     "assign_styles",
     "system_prompt",
     "build_tokenizer",
+    "train_qwen2_tokenizer",
     "build_model",
     "make_history",
     "build_prompt",
@@ -142,6 +143,12 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
     ``config.json`` says ``qwen2`` with that class: tokenization is then the
     same in memory, after ``AutoTokenizer.from_pretrained`` and in vLLM.
     """
+    return train_qwen2_tokenizer(_tokenizer_corpus(problems), vocab_size, tags=TAG_TOKENS, chat_template=CHAT_TEMPLATE)
+
+
+def train_qwen2_tokenizer(corpus: Sequence[str], vocab_size: int, *, tags: Sequence[str], chat_template: str):
+    """A byte-level BPE trained on ``corpus`` with ``Qwen2Tokenizer``'s own pipeline, as that class: ChatML special
+    tokens, ``tags`` as non-special added tokens (``vocab_size`` counts them), left padding, ``chat_template``."""
     import json
 
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -157,12 +164,12 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
     )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TAG_TOKENS),
+        vocab_size=vocab_size - len(tags),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(_tokenizer_corpus(problems), trainer)
+    backend.train_from_iterator(corpus, trainer)
     model_state = json.loads(backend.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model_state["merges"]]
 
@@ -178,9 +185,9 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
         model_max_length=512,
     )
     tok.add_tokens(
-        [AddedToken(t, special=False, normalized=False, single_word=False, lstrip=False, rstrip=False) for t in TAG_TOKENS]
+        [AddedToken(t, special=False, normalized=False, single_word=False, lstrip=False, rstrip=False) for t in tags]
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 

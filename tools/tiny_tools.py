@@ -367,56 +367,8 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 640):
     prompt one token, the tools block ~90 tokens since no merge crosses a
     pre-token boundary such as ``{"`` | ``name`` | ``":``).
     """
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        pre_tokenizers,
-        trainers,
-    )
-    from transformers.models.qwen2.tokenization_qwen2 import (
-        PRETOKENIZE_REGEX,
-        Qwen2Tokenizer,
-    )
-
-    backend = Tokenizer(models.BPE())
-    backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(TAG_TOKENS),
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(_tokenizer_corpus(_TemplateOnly(), problems), trainer)
-    model_state = json.loads(backend.to_str())["model"]
-    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model_state["merges"]]
-
-    tok = Qwen2Tokenizer(
-        vocab=dict(model_state["vocab"]),
-        merges=merges,
-        unk_token=None,
-        eos_token=IM_END,
-        pad_token=PAD_TOKEN,
-        extra_special_tokens=[IM_START],
-        padding_side="left",
-        clean_up_tokenization_spaces=False,
-        model_max_length=512,
-    )
-    tok.add_tokens(
-        [AddedToken(t, special=False, normalized=False, single_word=False, lstrip=False, rstrip=False) for t in TAG_TOKENS]
-    )
-    tok.chat_template = CHAT_TEMPLATE
-    return tok
+    return tiny_model.train_qwen2_tokenizer(_tokenizer_corpus(_TemplateOnly(), problems), vocab_size, tags=TAG_TOKENS,
+                                            chat_template=CHAT_TEMPLATE)
 
 
 # --------------------------------------------------------------------------
