@@ -186,8 +186,8 @@ class EpisodePolicy(torch.nn.Module):
         episodes = [EpisodeState(prompt) for prompt in prompts]
         active = list(range(len(prompts)))
         for turn in range(max_turns):
-            cap = min(self.max_new_tokens, max(budget - episodes[i].length for i in active))
-            sampled = self.sample([episodes[i].context() for i in active], cap)
+            # always the whole reply cap, cut to each episode's room after: one cap, one set of compiled decode graphs
+            sampled = self.sample([episodes[i].context() for i in active], self.max_new_tokens)
             answered = []
             for i, (reply, log_probs) in zip(active, sampled):
                 episode = episodes[i]
