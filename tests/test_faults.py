@@ -616,8 +616,8 @@ def test_the_prompt_length_check_refuses_a_long_row_of_a_large_file_tokenising_o
     cfg = compose("grpo_tiny", [f"env.dataset={tmp_path}"])
     tokenizer = load_tokenizer(cfg.model.name)
     counted = []
-    monkeypatch.setattr(prompt_checks, "prompt_token_counts", lambda tok, system, prompts: counted.extend(prompts) or
-                        prompt_token_counts(tok, system, prompts))
+    monkeypatch.setattr(prompt_checks, "prompt_token_counts", lambda tok, system, prompts, tools: counted.extend(prompts) or
+                        prompt_token_counts(tok, system, prompts, tools))
     exact = prompt_token_counts(tokenizer, task_system_prompt(cfg), [json.loads(rows[13_579])["question"]])[0]
     with pytest.raises(DataError, match=rf"split 'train' row 13579: its prompt is {exact} tokens .* exceeds "
                                         rf"inference_model.max_model_len=512; raise inference_model.max_model_len to "
