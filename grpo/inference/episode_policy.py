@@ -151,7 +151,8 @@ class EpisodePolicy(torch.nn.Module):
         prompts = self.prompt_tokens(tensordict.get(("tokens", "prompt"), None), history)
         rows = tensordict.get("row_index", None)
         rows = rows.reshape(-1).tolist() if rows is not None else [-1] * len(prompts)
-        episodes = self.run_episodes(prompts, history, rows)
+        conversations = prompt_messages(history)
+        episodes = self.run_episodes(prompts, conversations, rows)
         if self.on_sampled is not None:
             self.on_sampled(prompts, [e.tokens() for e in episodes])
         def histories(conversations: list[list[dict]]):  # one History a message: ragged rows, lazily stacked
@@ -161,7 +162,7 @@ class EpisodePolicy(torch.nn.Module):
 
         tensordict.set("history", ChatHistory(
             prompt=history, response=histories([e.messages for e in episodes]),
-            full=histories([prompt + e.messages for prompt, e in zip(prompt_messages(history), episodes)]),
+            full=histories([prompt + e.messages for prompt, e in zip(conversations, episodes)]),
             batch_size=tensordict.batch_size))
         for row, prompt, episode in zip(tensordict.unbind(0), prompts, episodes):
             tokens = episode.tokens()
@@ -178,11 +179,11 @@ class EpisodePolicy(torch.nn.Module):
                 row.set(("episode", name), torch.tensor(episode.counts.get(name, 0)))
         return tensordict
 
-    def run_episodes(self, prompts: list[torch.Tensor], history, rows: list[int]) -> list[EpisodeState]:
+    def run_episodes(self, prompts: list[torch.Tensor], conversations: list[list[dict]],
+                     rows: list[int]) -> list[EpisodeState]:
         env = self.turn_env
         max_turns = env.max_turns if env is not None else 1
         budget = env.max_episode_tokens if env is not None else self.max_new_tokens
-        prompts_as_messages = prompt_messages(history)
         episodes = [EpisodeState(prompt) for prompt in prompts]
         active = list(range(len(prompts)))
         for turn in range(max_turns):
@@ -199,7 +200,7 @@ class EpisodePolicy(torch.nn.Module):
                 if not stopped:  # cut by the reply cap or the budget: a turn cannot go on once cut
                     episode.truncated = True
                     continue
-                as_seen = Episode(prompts_as_messages[i], episode.messages, rows[i])
+                as_seen = Episode(conversations[i], episode.messages, rows[i])
                 if env is None or not env.answers(as_seen):
                     continue  # the final answer
                 if turn == max_turns - 1:

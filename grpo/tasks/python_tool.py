@@ -52,9 +52,8 @@ def parse_call(text: str) -> tuple[str | None, str | None]:
     """The code of the first tool call in an assistant turn's ``text``, or why the call is malformed (one line a
     model can act on): ``(code, None)`` or ``(None, error)``."""
     start = text.find(CALL_OPEN)
-    if start < 0 and fenced_call(text) is not None:
-        body = fenced_call(text)
-    else:
+    body = fenced_call(text) if start < 0 else None
+    if body is None:
         end = text.find(CALL_CLOSE, start)
         if end < 0:
             return None, f"the tool call has no closing {CALL_CLOSE} tag; write {CALL_OPEN}{EXAMPLE_CALL}{CALL_CLOSE}"

@@ -22,8 +22,6 @@ NO_OUTPUT = "[no output: print() what you want to see]"
 class PythonToolEnv:
     """The Python tool between turns: up to ``max_calls`` calls an episode, run in ``sandbox``."""
 
-    tools = [PYTHON_TOOL]  # what the chat template renders in the system turn
-
     def __init__(self, sandbox, *, max_turns: int, max_episode_tokens: int, max_calls: int):
         self.sandbox, self.max_turns, self.max_episode_tokens, self.max_calls = sandbox, max_turns, max_episode_tokens, max_calls
 
