@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from grpo.inference.decoding import DECODE_COMPILE_OPTIONS, ReplySampler, compacted_size, filled_slot_bounds
+from grpo.inference.decoding import (DECODE_COMPILE_OPTIONS, ReplySampler, compacted_size, filled_slot_bounds,
+                                     graphed_rows, graphed_slots)
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 QUESTIONS = ["What is 2 + 3?", "Tom has 12 apples and buys 30 more. How many apples does he have now?",
@@ -344,3 +345,12 @@ def test_a_policy_that_trains_samples_through_fused_copies_that_its_updates_reac
     assert not torch.allclose(outputs[0], outputs[1])  # the update reached the fused copies
     policy(ids, attention_mask=mask).logits.sum().backward()
     assert q_proj.weight.grad is not None and q_proj.weight.grad.abs().sum() > 0
+
+
+def test_graphed_shapes_are_powers_of_two_so_later_turns_reuse_the_compaction_sizes_and_few_cache_lengths():
+    assert [graphed_rows(rows) for rows in (1, 16, 17, 33, 64, 65, 128)] == [16, 16, 32, 64, 64, 128, 128]
+    assert {compacted_size(128, active) for active in range(1, 65)} <= {graphed_rows(r) for r in range(1, 129)}
+    assert [graphed_slots(length, 128) for length in (1, 128, 129, 300, 712, 1324, 2048)] == [
+        128, 128, 256, 512, 1024, 2048, 2048]
+    # a 3-turn episode's contexts up to a 2,048-token cap need 4 cache lengths, not 16
+    assert len({graphed_slots(length, 128) for length in range(200, 2049)}) == 4

@@ -96,8 +96,8 @@ def recording(policy):
     """The policy's sample function, each call's prompts and replies kept."""
     calls, sample = [], policy.sample
 
-    def record(prompts, max_new_tokens):
-        out = sample(prompts, max_new_tokens)
+    def record(prompts, max_new_tokens, batch_rows):
+        out = sample(prompts, max_new_tokens, batch_rows)
         calls.append(([p.clone() for p in prompts], [(r.clone(), lp.clone()) for r, lp in out]))
         return out
 

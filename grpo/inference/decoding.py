@@ -94,6 +94,23 @@ def compacted_size(batch: int, active: int) -> int | None:
     return size if size < batch else None
 
 
+# With CUDA graphs each decode shape (rows, KV-cache slots) is one more compiled graph, and a multi-turn batch's later
+# turns sample any number of episodes with a longer context each turn: rounded to a multiple of 32 rows and of the
+# cache bucket, the real 0.5B with the tool on an H200 compiled 8, 3, 1, 1, 4 graphs in its first steps (26-96 s a
+# step, not 6-9). Rounded to powers of two, the rows hit the sizes row compaction halves to and a cache grows at most
+# log2 times.
+def graphed_rows(rows: int) -> int:
+    """The decode batch ``rows`` replies run in under CUDA graphs: a power of two, ``SMALLEST_COMPACTED_BATCH`` or
+    more."""
+    return max(SMALLEST_COMPACTED_BATCH, 1 << (rows - 1).bit_length())
+
+
+def graphed_slots(length: int, cache_bucket: int) -> int:
+    """The KV-cache slots for ``length`` tokens (prompt and reply) under CUDA graphs: ``cache_bucket`` times a power
+    of two."""
+    return cache_bucket << (-(-length // cache_bucket) - 1).bit_length()
+
+
 def move_rows(src: DecodeBuffers, src_cache: StaticCache, dst: DecodeBuffers, dst_cache: StaticCache,
               rows: torch.Tensor, active: int) -> None:
     """Carry decode rows ``rows`` of ``src`` (and their KV cache) into ``dst``, in that order: its first ``active``
@@ -184,7 +201,8 @@ class ReplySampler(torch.nn.Module):
         self._steps: dict[tuple, tuple[DecodeBuffers, callable]] = {}
 
     def kv_cache(self, batch: int, length: int) -> tuple[int, StaticCache]:
-        needed = -(-length // self.cache_bucket) * self.cache_bucket
+        needed = (graphed_slots(length, self.cache_bucket) if self.graphed
+                  else -(-length // self.cache_bucket) * self.cache_bucket)
         if batch not in self._caches or self._caches[batch][0] < needed:
             self._caches.pop(batch, None)  # free the old cache and its graphs before allocating the next
             self._steps = {key: value for key, value in self._steps.items() if key[0] != batch}

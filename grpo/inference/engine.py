@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from grpo.inference.decoding import ReplySampler
+from grpo.inference.decoding import ReplySampler, graphed_rows
 from grpo.inference.episode_policy import EnginePolicies, EpisodePolicy, pad_prompts
 from grpo.inference.generation import EngineSettings, InferenceEngine, as_state_dict, generate_kwargs, weights_checksum
 from grpo.process.world import is_sharded
@@ -83,21 +83,17 @@ class TransformersInference(EnginePolicies):
         pass
 
 
-# a multi-turn batch's later turns sample only the episodes still going, any number of them: rounded up to a multiple
-# of this, a run compiles a handful of decode graphs (0.5B on one GPU: each takes seconds) rather than one per count
-GRAPHED_BATCH_BUCKET = 32
-
-
 def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict) -> EpisodePolicy:
     """The episode policy over ``sampler`` with ``generate_kwargs`` (sampled or greedy; the reply cap a turn). Its
     tensors stay on the CPU, where envs, rewards and buffers live: the sampler takes each turn's prompts to its GPU
     and hands back the replies as CPU tensors."""
     pad = gen_kwargs["pad_token_id"]
 
-    def sample(prompts: list[torch.Tensor], max_new_tokens: int):
+    def sample(prompts: list[torch.Tensor], max_new_tokens: int, batch_rows: int):
+        """``prompts``: the episodes of a batch of ``batch_rows`` still going (all of them on the first turn)."""
         rows = len(prompts)
-        if sampler.graphed:  # each batch size is one more compiled decode graph: a later turn's rows are rounded up
-            prompts = prompts + [prompts[-1]] * (-rows % GRAPHED_BATCH_BUCKET)
+        if sampler.graphed and rows < batch_rows:  # each batch size is one more compiled decode graph
+            prompts = prompts + [prompts[-1]] * (min(graphed_rows(rows), batch_rows) - rows)
         input_ids, attention_mask = pad_prompts(prompts, pad)
         out = sampler.generate(input_ids, attention_mask, **{**gen_kwargs, "max_new_tokens": max_new_tokens})
         generated = out["sequences"][:, input_ids.shape[1]:]

@@ -115,7 +115,8 @@ def cut_at_stop(reply: torch.Tensor, log_probs: torch.Tensor, stop_ids: torch.Te
 
 class EpisodePolicy(torch.nn.Module):
     """Samples one episode a prompt with ``sample`` (an engine's: prompts' token ids in, each reply's token ids and
-    log-probs out, at most ``max_new_tokens`` a turn), ``turn_env`` answering between turns (None: one turn).
+    log-probs out, at most ``max_new_tokens`` a turn; ``batch_rows``: the episodes of the batch, of which a later
+    turn samples those still going), ``turn_env`` answering between turns (None: one turn).
     Takes a reset's tensordict (batch ``[B]``): its ``history.prompt`` and, where the env wrote them
     (``grpo.tasks.envs.GroupPromptTokens``), the prompts' tokens ``tokens.prompt`` (left-padded with ``pad_id``);
     without them the chat template renders the prompts. Writes the episodes into that tensordict and returns it.
@@ -127,7 +128,7 @@ class EpisodePolicy(torch.nn.Module):
     in_keys = [("history", "prompt")]
     out_keys = ["history", "tokens", "log_probs", "text", "episode"]
 
-    def __init__(self, sample: Callable[[list[torch.Tensor], int], list[tuple[torch.Tensor, torch.Tensor]]],
+    def __init__(self, sample: Callable[[list[torch.Tensor], int, int], list[tuple[torch.Tensor, torch.Tensor]]],
                  tokenizer, *, max_new_tokens: int, stop_ids: list[int], pad_id: int, turn_env: TurnEnv | None = None):
         super().__init__()
         self.sample, self.tokenizer, self.max_new_tokens, self.pad_id = sample, tokenizer, max_new_tokens, pad_id
@@ -188,7 +189,7 @@ class EpisodePolicy(torch.nn.Module):
         active = list(range(len(prompts)))
         for turn in range(max_turns):
             # always the whole reply cap, cut to each episode's room after: one cap, one set of compiled decode graphs
-            sampled = self.sample([episodes[i].context() for i in active], self.max_new_tokens)
+            sampled = self.sample([episodes[i].context() for i in active], self.max_new_tokens, batch_rows=len(prompts))
             answered = []
             for i, (reply, log_probs) in zip(active, sampled):
                 episode = episodes[i]
