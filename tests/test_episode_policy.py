@@ -164,6 +164,13 @@ def test_an_episode_ends_within_its_token_budget(tiny):
         assert td["tokens", "response"].numel() <= 30
         assert bool(td["episode", "truncated"])  # the environment always answers: only the budget ends it
 
+    # an answer that leaves no episode room to reply: the batch ends, no turn is sampled for zero episodes (a graphed
+    # sampler pads a later turn's rows with its last prompt: there is none)
+    policy.turn_env = ScriptedEnv("more " * 40, max_turns=10, max_episode_tokens=30)
+    calls = recording(policy)
+    out = policy(env.reset())
+    assert len(calls) == 1 and all(bool(td["episode", "truncated"]) for td in out.unbind(0))
+
 
 def test_a_turn_ends_at_its_first_stop_token():
     """An engine that pads finished replies with eos (SmolLM2's generation_config does) or samples past a stop

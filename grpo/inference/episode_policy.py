@@ -224,6 +224,8 @@ class EpisodePolicy(torch.nn.Module):
                     continue
                 episode.add_env_turn(env_turn.message, tokens)
                 active.append(i)
+            if not active:  # every answer left its episode no room to reply
+                break
         return episodes
 
     def message_text(self, reply: torch.Tensor, stopped: bool) -> str:
