@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     from tools import synthetic_tools as st
+    from tools import tiny_model as tm
     from tools import tiny_tools as tt
 
     transformers.logging.set_verbosity_error()
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     example = tt.episode_pieces(tok, test[0], "tool")
     print("".join(t for t, _ in example))
     t0 = time.time()
-    losses = tt.sft(model, tok, examples, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=init_seed)
+    losses = tm.sft_masked(model, tok, examples, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=init_seed)
     sft_s = time.time() - t0
     print(f"sft: {args.steps} steps in {sft_s:.0f}s, final loss {losses[-1]:.4f}")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -150,23 +151,24 @@ def parse_answer(answer: str) -> dict:
 
 
 def write_splits(
-    out_dir: str | Path, n_train: int = 2000, n_test: int = 256, seed: int = 0
+    out_dir: str | Path, n_train: int = 2000, n_test: int = 256, seed: int = 0, *,
+    problem_maker: Callable[[int, int], list[dict]] | None = None,
 ) -> tuple[Path, Path]:
     """Write ``train.jsonl`` and ``test.jsonl`` under ``out_dir``.
 
-    Questions are drawn from one deduplicated stream, so no test question
-    appears in the training split. Returns the two paths.
+    Questions are drawn from one deduplicated stream (``problem_maker(n, seed)``;
+    default :func:`make_problems`), test first, so no test question appears in
+    the training split. Returns the two paths.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    problems = make_problems(n_train + n_test, seed)
+    problems = (problem_maker or make_problems)(n_train + n_test, seed)
     test, train = problems[:n_test], problems[n_test:]
     paths = []
     for split, rows in (("train", train), ("test", test)):
         path = out_dir / f"{split}.jsonl"
         with open(path, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
         paths.append(path)
     return paths[0], paths[1]
 

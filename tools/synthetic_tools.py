@@ -25,6 +25,7 @@ import json
 import random
 from pathlib import Path
 
+from tools import synthetic
 from tools.synthetic import parse_answer, read_jsonl
 
 __all__ = [
@@ -130,22 +131,9 @@ def expression(problem: dict) -> str:
 def write_splits(
     out_dir: str | Path, n_train: int = 2000, n_test: int = 256, seed: int = 0
 ) -> tuple[Path, Path]:
-    """Write ``train.jsonl`` and ``test.jsonl`` under ``out_dir``.
-
-    Problems are drawn from one deduplicated stream (test first), so no test
-    expression appears in the training split. Returns the two paths.
-    """
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    problems = make_problems(n_train + n_test, seed)
-    test, train = problems[:n_test], problems[n_test:]
-    paths = []
-    for split, rows in (("train", train), ("test", test)):
-        path = out_dir / f"{split}.jsonl"
-        with open(path, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-        paths.append(path)
-    return paths[0], paths[1]
+    """:func:`tools.synthetic.write_splits` of these problems: ``train.jsonl`` and ``test.jsonl`` under ``out_dir``,
+    no test expression in the training split."""
+    return synthetic.write_splits(out_dir, n_train, n_test, seed, problem_maker=make_problems)
 
 
 if __name__ == "__main__":  # pragma: no cover

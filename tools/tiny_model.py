@@ -21,6 +21,7 @@ Everything here runs offline on a CPU:
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import re
@@ -53,6 +54,7 @@ __all__ = [
     "extract_answer",
     "score_response",
     "sft",
+    "sft_masked",
     "evaluate",
     "evaluate_greedy",
     "model_file_size",
@@ -354,24 +356,11 @@ def score_response(text: str, gold_answer: str) -> dict:
 # --------------------------------------------------------------------------
 
 
-def _common_prefix_len(seqs: Sequence[Sequence[int]]) -> int:
-    if not seqs:
-        return 0
-    first = seqs[0]
-    n = min(len(x) for x in seqs)
-    for ids in seqs[1:]:
-        i = 0
-        while i < n and ids[i] == first[i]:
-            i += 1
-        n = i
-    # keep at least one prompt token per row in the batched part
-    return max(0, min(n, min(len(x) for x in seqs) - 1))
-
-
-def _encode_example(tokenizer, prompt: str, response: str) -> tuple[list[int], int]:
+def _encode_example(tokenizer, prompt: str, response: str) -> tuple[list[int], list[int]]:
+    """``(ids, loss_mask)``: the prompt is context, the response (with ``<|im_end|>``) is trained on."""
     p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     r_ids = tokenizer(response + IM_END, add_special_tokens=False)["input_ids"]
-    return p_ids + r_ids, len(p_ids)
+    return p_ids + r_ids, [0] * len(p_ids) + [1] * len(r_ids)
 
 
 def sft(
@@ -380,23 +369,51 @@ def sft(
     examples: Sequence[tuple[str, str]],
     *,
     steps: int = 300,
-    batch_size: int = 32,
     lr: float = 3e-3,
+    log_every: int = 25,
+    **options,
+) -> list[float]:
+    """Train ``model`` on ``(prompt, response)`` pairs, loss on the response only (``<|im_end|>`` appended to
+    it): :func:`sft_masked`. Returns the loss per step."""
+    encoded = [_encode_example(tokenizer, p, r) for p, r in examples]
+    return sft_masked(model, tokenizer, encoded, steps=steps, lr=lr, log_every=log_every, **options)
+
+
+def _shared_prefix_len(examples: Sequence[tuple[list[int], list[int]]]) -> int:
+    """The prefix every example starts with, no trained token in it, at least one token left a row."""
+    first = examples[0][0]
+    n_shared = min(len(ids) for ids, _ in examples) - 1
+    for ids, mask in examples:
+        i = 0
+        while i < n_shared and ids[i] == first[i] and not mask[i]:
+            i += 1
+        n_shared = i
+    return n_shared
+
+
+def sft_masked(
+    model,
+    tokenizer,
+    examples: Sequence[tuple[list[int], list[int]]],
+    *,
+    steps: int = 800,
+    batch_size: int = 32,
+    lr: float = 1e-3,
     warmup: int = 20,
     weight_decay: float = 0.0,
     seed: int = 0,
-    log_every: int = 25,
+    log_every: int = 100,
     log: Callable[[str], None] | None = print,
     share_prefix: bool = True,
     callback: Callable[[int], None] | None = None,
 ) -> list[float]:
-    """Train ``model`` on ``(prompt, response)`` pairs, loss on the response only.
+    """Train ``model`` on ``(ids, loss_mask)`` examples: the loss is the mean cross-entropy over the tokens whose
+    mask is 1, the rest is context only.
 
-    ``response`` is the assistant content; ``<|im_end|>`` is appended. Uses
-    AdamW with linear warmup then cosine decay. ``callback(step)`` runs after
-    every step (the model is in train mode). Returns the loss per step.
+    AdamW, linear warmup, cosine decay to 5 %. The prefix all examples share (the system turn) is encoded once a
+    step and given to the batch as a KV cache: exact (same logits as the full sequences) and ~3x cheaper on CPU.
+    ``callback(step)`` runs after every step (model in train mode). Returns the loss per step.
     """
-    encoded = [_encode_example(tokenizer, p, r) for p, r in examples]
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
 
@@ -406,45 +423,49 @@ def sft(
         frac = (step - warmup) / max(1, steps - warmup)
         return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
 
+    n_shared = _shared_prefix_len(examples) if share_prefix else 0
+    # the token after the prefix is predicted from the prefix's last position, whose logits the batch never sees
+    assert all(not mask[n_shared] for _, mask in examples), "the first token after the shared prefix must be context"
+    prefix = torch.tensor(examples[0][0][:n_shared], dtype=torch.long)[None] if n_shared else None
     pad_id = tokenizer.pad_token_id
-    # Every prompt starts with the same system turn: encode that shared prefix
-    # once per step (batch 1) and feed it to the batch as a KV cache. This is
-    # exact (same logits as the full sequences) and ~3x cheaper on CPU.
-    n_shared = _common_prefix_len([ids[:n_prompt] for ids, n_prompt in encoded]) if share_prefix else 0
-    prefix = torch.tensor(encoded[0][0][:n_shared], dtype=torch.long)[None] if n_shared else None
+    # transformers >= 5.2x names the KV-cache argument ``cache`` (``past_key_values`` deprecated)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     model.train()
     order: list[int] = []
     losses: list[float] = []
     t0 = time.time()
     for step in range(steps):
         if len(order) < batch_size:
-            extra = list(range(len(encoded)))
+            extra = list(range(len(examples)))
             rng.shuffle(extra)
             order += extra
         idx, order = order[:batch_size], order[batch_size:]
-        batch = [(ids[n_shared:], n_prompt - n_shared) for ids, n_prompt in (encoded[i] for i in idx)]
+        batch = [(examples[i][0][n_shared:], examples[i][1][n_shared:]) for i in idx]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (ids, n_prompt) in enumerate(batch):
+        for row, (ids, mask) in enumerate(batch):
             # right padding: positions are contiguous from the prefix on
-            input_ids[row, : len(ids)] = torch.tensor(ids)
+            t = torch.tensor(ids)
+            input_ids[row, : len(ids)] = t
             attn[row, : len(ids)] = 1
-            labels[row, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)
         dev = model.device
         input_ids, labels, attn = input_ids.to(dev), labels.to(dev), attn.to(dev)
         kwargs = {}
         if prefix is not None:
-            cache = model.model(input_ids=prefix.to(dev), use_cache=True).past_key_values
+            enc = model.model(input_ids=prefix.to(dev), use_cache=True)
+            cache = enc["cache"] if "cache" in enc else enc["past_key_values"]
             cache.batch_repeat_interleave(len(batch))
-            kwargs = dict(
-                past_key_values=cache,
-                position_ids=torch.arange(n_shared, n_shared + width, device=dev)[None].expand(len(batch), -1),
-            )
+            kwargs = {
+                cache_kw: cache,
+                "position_ids": torch.arange(n_shared, n_shared + width, device=dev)[None].expand(len(batch), -1),
+            }
             attn = torch.cat([torch.ones((len(batch), n_shared), dtype=torch.long, device=dev), attn], dim=1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
+        # labels are shifted inside the model: position t predicts token t+1
         out = model(input_ids=input_ids, attention_mask=attn, labels=labels, **kwargs)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

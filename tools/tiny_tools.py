@@ -30,8 +30,7 @@ Everything here runs offline on a CPU:
   (most examples tool episodes, so the copying is learnt; the decision token
   ``<tool_call>`` / ``<answer>`` trained on a 30/70 mix, so the model calls
   the tool in about 30 % of its samples);
-* :func:`sft`: a short SFT loop (the schedule of
-  :func:`tools.tiny_model.sft`) on such masked examples;
+* :func:`tools.tiny_model.sft_masked` trains on such masked examples;
 * :func:`parse_tool_call` / :func:`tool_call_expression`: read a turn 1 back.
 
 ``scripts/build_tiny_tools_model.py`` uses these to write
@@ -41,13 +40,10 @@ Everything here runs offline on a CPU:
 from __future__ import annotations
 
 import functools
-import inspect
 import json
-import math
 import random
 import re
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -84,7 +80,6 @@ __all__ = [
     "messages",
     "model_file_size",
     "parse_tool_call",
-    "sft",
     "sft_examples",
     "tool_call_expression",
     "tool_call_text",
@@ -408,104 +403,3 @@ def build_model(
     model = Qwen2ForCausalLM(config)
     model.generation_config = base.generation_config
     return model
-
-
-# --------------------------------------------------------------------------
-# SFT
-# --------------------------------------------------------------------------
-
-
-def sft(
-    model,
-    tokenizer,
-    examples: Sequence[tuple[list[int], list[int]]],
-    *,
-    steps: int = 800,
-    batch_size: int = 32,
-    lr: float = 1e-3,
-    warmup: int = 20,
-    weight_decay: float = 0.0,
-    seed: int = 0,
-    log_every: int = 100,
-    log: Callable[[str], None] | None = print,
-    callback: Callable[[int], None] | None = None,
-) -> list[float]:
-    """Train ``model`` on ``(ids, loss_mask)`` examples (:func:`encode_pieces`).
-
-    The loss is the mean cross-entropy over the tokens whose mask is 1 (the
-    assistant turns); the rest (prompt, tool turn) is context only. The
-    schedule is :func:`tools.tiny_model.sft`'s: AdamW, linear warmup, cosine
-    decay to 5 %; the prefix all examples share (system turn and tools block)
-    is encoded once a step and given to the batch as a KV cache.
-    ``callback(step)`` runs after every step (model in train mode). Returns
-    the loss per step.
-    """
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        frac = (step - warmup) / max(1, steps - warmup)
-        return lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-    # shared prefix: no trained token in it, and at least one token left per row
-    first = examples[0][0]
-    n_shared = min(len(ids) for ids, _ in examples) - 1
-    for ids, mask in examples:
-        i = 0
-        while i < n_shared and ids[i] == first[i] and not mask[i]:
-            i += 1
-        n_shared = i
-    assert all(not mask[n_shared] for _, mask in examples), "the first token after the shared prefix must be context"
-    prefix = torch.tensor(first[:n_shared], dtype=torch.long)[None] if n_shared else None
-    pad_id = tokenizer.pad_token_id
-    # transformers >= 5.2x names the KV-cache argument ``cache`` (``past_key_values`` deprecated)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    model.train()
-    order: list[int] = []
-    losses: list[float] = []
-    t0 = time.time()
-    for step in range(steps):
-        if len(order) < batch_size:
-            extra = list(range(len(examples)))
-            rng.shuffle(extra)
-            order += extra
-        idx, order = order[:batch_size], order[batch_size:]
-        batch = [(examples[i][0][n_shared:], examples[i][1][n_shared:]) for i in idx]
-        width = max(len(ids) for ids, _ in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (ids, mask) in enumerate(batch):
-            t = torch.tensor(ids)
-            input_ids[row, : len(ids)] = t
-            attn[row, : len(ids)] = 1
-            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)
-        dev = model.device
-        input_ids, labels, attn = input_ids.to(dev), labels.to(dev), attn.to(dev)
-        kwargs = {}
-        if prefix is not None:
-            enc = model.model(input_ids=prefix.to(dev), use_cache=True)
-            cache = enc["cache"] if "cache" in enc else enc["past_key_values"]
-            cache.batch_repeat_interleave(len(batch))
-            kwargs = {
-                cache_kw: cache,
-                "position_ids": torch.arange(n_shared, n_shared + width, device=dev)[None].expand(len(batch), -1),
-            }
-            attn = torch.cat([torch.ones((len(batch), n_shared), dtype=torch.long, device=dev), attn], dim=1)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step)
-        # labels are shifted inside the model: position t predicts token t+1
-        out = model(input_ids=input_ids, attention_mask=attn, labels=labels, **kwargs)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(out.loss.item())
-        if log is not None and (step % log_every == 0 or step == steps - 1):
-            log(f"sft step {step:4d} loss {out.loss.item():.4f} lr {lr_at(step):.2e} ({time.time() - t0:.0f}s)")
-        if callback is not None:
-            callback(step)
-    model.eval()
-    return losses
