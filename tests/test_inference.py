@@ -13,7 +13,7 @@ from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.batch import to_training_batch
 from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
-from grpo.training.step import train_mode_if
+from grpo.training.models import train_mode_if
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,9 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
     logits = logits.float()
     if not greedy:
         logits = logits / temperature
-        if top_k:
-            kth = logits.topk(top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if top_p < 1.0:
-            ordered, order = logits.sort(dim=-1, descending=True)
-            mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
-            ordered = ordered.masked_fill(mass_before > top_p, float("-inf"))  # the top token always stays
-            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
+        keep = kept_tokens(logits, top_k, top_p)
+        if keep is not None:
+            logits = logits.masked_fill(~keep, float("-inf"))
     chunks = vocab_chunks(logits)
     log_mass = chunks.logsumexp(-1)  # each chunk's; -inf where top-k/top-p or the padding left none
     if greedy:
@@ -45,6 +40,22 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         token = chunk * chunks.shape[-1] + gumbel_argmax(inside)
     log_prob = logits.gather(-1, token[:, None])[:, 0] - log_mass.logsumexp(-1)
     return token, log_prob
+
+
+def kept_tokens(logits, top_k: int, top_p: float):
+    """Where top-k, then top-p over what top-k kept, leave tempered ``logits`` ``[N, V]`` drawable; None when both are
+    off. The trainer cuts its logits here too (``grpo.training.logprobs``), so both score one distribution."""
+    if not top_k and top_p >= 1.0:
+        return None
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if top_k:
+        keep = logits >= logits.topk(top_k, dim=-1).values[:, -1:]
+    if top_p < 1.0:
+        ordered, order = logits.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        in_nucleus = probs.cumsum(-1) - probs <= top_p  # the mass before each token; the top token always stays
+        keep = keep & torch.zeros_like(keep).scatter(-1, order, in_nucleus)
+    return keep
 
 
 def vocab_chunks(x):
