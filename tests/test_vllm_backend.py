@@ -320,6 +320,36 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
         inf.shutdown()
 
 
+def test_with_top_k_or_top_p_vllm_reports_the_log_probs_the_trainer_scores(model_dir, tokenizer, hf_model, llm):
+    """With top-p (then top-k) on, the engine reports each drawn token's log-prob before the cut, the trainer's
+    (grpo.inference.sampling says why): sampler/trainer KL 1e-12 (3e-2 and 8e-4 with the cut distribution's,
+    vLLM's "processed" mode). One second engine, in vLLM's "raw" mode, serves both cuts (each request's own)."""
+    from conftest import compose
+
+    from grpo.inference.engine import make_inference
+    from grpo.training.models import stop_token_ids
+
+    cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm", "inference_model.top_p=0.5",
+                                "inference_model.max_new_tokens=12"])
+    inf = make_inference(EngineSettings.from_config(cfg), hf_model, tokenizer, device=torch.device("cpu"),
+                         stop_ids=stop_token_ids(tokenizer, hf_model.generation_config))
+    prompts = [torch.tensor(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                          add_generation_prompt=True, tokenize=True, return_dict=True)
+                            ["input_ids"]) for text in ("What is 12 plus 7?", "Hi", "Name three colours.")] * 4
+    try:
+        for cut in ({}, {"top_p": 1.0, "top_k": 2}):
+            for key, value in cut.items():
+                setattr(inf.sampling_params[False], key, value)
+            sampler, trainer = [], []
+            for prompt, (reply, log_probs) in zip(prompts, inf.sample(prompts, 12, greedy=False)):
+                sampler.append(log_probs)
+                trainer.append(hf_logprobs(hf_model, torch.cat([prompt, reply]).tolist())[prompt.numel() - 1:])
+            diff = torch.cat(trainer) - torch.cat(sampler)
+            assert float((diff.expm1() - diff).mean()) < 1e-6, cut
+    finally:
+        inf.shutdown()
+
+
 def test_vllm_engine_checksum_is_read_back_from_the_engine_and_follows_a_push(model_dir, tokenizer, hf_model, llm):
     """A rollout worker's engine: no transformers model built; the checksum is read from the engine's model
     (on CPU through its packed GEMM kernels), so a push that changed nothing would not pass."""

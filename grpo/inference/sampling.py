@@ -13,8 +13,14 @@ VOCAB_CHUNKS = 32
 
 
 def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float, kernel: bool = False):
-    """The next token of each row and its log-prob under the distribution it was drawn from: softmax of
-    the logits / temperature, cut by top-k/top-p (as vLLM's ``processed_logprobs``); greedy: the raw logits'.
+    """The next token of each row, drawn from softmax(logits / temperature) cut by top-k/top-p, and its log-prob
+    under softmax(logits / temperature) before the cut; greedy: the raw logits'.
+
+    Before the cut, the log-prob of the policy the trainer scores (``grpo.training.logprobs``): so sampler and
+    trainer agree before an update, whatever the cut. The other way, the trainer scoring the cut distribution,
+    gives a token drawn from a one-token nucleus log-prob 0 and no gradient, whatever its advantage: at top_p=0.5
+    every token of a tiny-model step was such a token (the cut distribution's entropy 0.0). The ratio then leaves
+    the cut's own bias uncorrected, as most trainers do.
 
     A draw is exact in two stages: a vocabulary chunk by its probability mass, then a token of that chunk by
     its probability within it (each a Gumbel-max draw). So random numbers are drawn for one chunk a row, not
@@ -24,12 +30,17 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         from grpo.inference.sampling_kernel import draw_tokens  # imports Triton: GPUs only
 
         return draw_tokens(logits.contiguous(), 1.0 if greedy else 1.0 / temperature, greedy)
-    logits = logits.float()
+    scaled = logits.float() if greedy else logits.float() / temperature  # what the log-prob is of: before the cut
+    logits = scaled
     if not greedy:
-        logits = logits / temperature
-        keep = kept_tokens(logits, top_k, top_p)
-        if keep is not None:
-            logits = logits.masked_fill(~keep, float("-inf"))
+        if top_k:
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if top_p < 1.0:
+            ordered, order = logits.sort(dim=-1, descending=True)
+            mass_before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)
+            ordered = ordered.masked_fill(mass_before > top_p, float("-inf"))  # the top token always stays
+            logits = torch.full_like(logits, float("-inf")).scatter(-1, order, ordered)
     chunks = vocab_chunks(logits)
     log_mass = chunks.logsumexp(-1)  # each chunk's; -inf where top-k/top-p or the padding left none
     if greedy:
@@ -38,24 +49,9 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         chunk = gumbel_argmax(log_mass)
         inside = chunks.gather(1, chunk[:, None, None].expand(-1, 1, chunks.shape[-1]))[:, 0]
         token = chunk * chunks.shape[-1] + gumbel_argmax(inside)
-    log_prob = logits.gather(-1, token[:, None])[:, 0] - log_mass.logsumexp(-1)
+    log_total = log_mass.logsumexp(-1) if logits is scaled else scaled.logsumexp(-1)
+    log_prob = scaled.gather(-1, token[:, None])[:, 0] - log_total
     return token, log_prob
-
-
-def kept_tokens(logits, top_k: int, top_p: float):
-    """Where top-k, then top-p over what top-k kept, leave tempered ``logits`` ``[N, V]`` drawable; None when both are
-    off. The trainer cuts its logits here too (``grpo.training.logprobs``), so both score one distribution."""
-    if not top_k and top_p >= 1.0:
-        return None
-    keep = torch.ones_like(logits, dtype=torch.bool)
-    if top_k:
-        keep = logits >= logits.topk(top_k, dim=-1).values[:, -1:]
-    if top_p < 1.0:
-        ordered, order = logits.masked_fill(~keep, float("-inf")).sort(dim=-1, descending=True)
-        probs = ordered.softmax(-1)
-        in_nucleus = probs.cumsum(-1) - probs <= top_p  # the mass before each token; the top token always stays
-        keep = keep & torch.zeros_like(keep).scatter(-1, order, in_nucleus)
-    return keep
 
 
 def vocab_chunks(x):

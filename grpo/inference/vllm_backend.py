@@ -176,13 +176,21 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
         gpu_memory_utilization = 0.3 if device_is_cpu else 0.9
     if enforce_eager is None:
         enforce_eager = device_is_cpu
-    # processed: log-probs of the distribution each token was drawn from (after temperature, top-k/top-p),
-    # what the trainer scores (grpo/training/logprobs.py); vLLM's default gives the raw logits'
+    # processed: log-probs after temperature (and top-k/top-p, which VLLMInference asks raw ones for); vLLM's
+    # default gives the raw logits'
     llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
     return vllm.LLM(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                     # explicit: vLLM caches its environment once an engine has started
                     enforce_eager=enforce_eager, seed=seed, log_level=log_level, **llm_kwargs)
+
+
+def vllm_logprobs_mode(settings: EngineSettings) -> str:
+    """The mode in which vLLM reports what the trainer scores: the log-prob of the tempered distribution before
+    top-k/top-p (``grpo.inference.sampling`` says why). vLLM has "processed" ones (after temperature and the cut)
+    and "raw" ones (before both): without a cut the first, at temperature 1 the second; never both on
+    (``grpo.process.config`` refuses it)."""
+    return "processed_logprobs" if not settings.top_k and settings.top_p >= 1.0 else "raw_logprobs"
 
 
 def push_weights(llm, weights: dict[str, torch.Tensor]) -> float:
@@ -294,7 +302,8 @@ class VLLMInference(EnginePolicies):
         self.llm = make_vllm_engine(
             im.model_name, dtype=str(self.dtype).removeprefix("torch."), max_model_len=im.max_model_len,
             gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=is_cpu or im.enforce_eager, seed=im.seed,
-            cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level)
+            cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level,
+            logprobs_mode=vllm_logprobs_mode(im))
 
         # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing and stops on stop_token_ids;
         # logprobs=0: the sampled token's log-prob alone; top_k 0 is transformers' "off", vLLM's is -1

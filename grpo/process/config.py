@@ -162,6 +162,10 @@ def validate_config(cfg) -> None:
          "float32) or inference_model.dtype=bfloat16.")
     need(isinstance(im.top_k, int) and im.top_k >= 0, f"inference_model.top_k={im.top_k!r} must be a whole number "
          ">= 0 (0 = off: sample from the whole vocabulary).")
+    need(im.backend != "vllm" or im.temperature == 1 or not im.top_k and im.top_p >= 1, "inference_model.backend=vllm "
+         f"with top_k={im.top_k}, top_p={im.top_p} and temperature={im.temperature}: vLLM reports log-probs after both "
+         "or before both, and the trainer scores them after temperature, before the cut; set "
+         "inference_model.temperature=1.0, or top_k=0 and top_p=1.0, or backend=transformers.")
     need(cfg.reward.answer_extraction in ANSWER_EXTRACTIONS, f"reward.answer_extraction="
          f"{cfg.reward.answer_extraction!r}; use flexible (an explicit final answer, else the last number), strict (an "
          "explicit final answer only) or tag (inside <answer> only).")

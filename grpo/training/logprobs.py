@@ -2,13 +2,7 @@
 sampler/trainer checks all score replies with. They are the *tempered* policy's, softmax(logits / T) at the
 sampling temperature T, the distribution the replies were drawn from, as the samplers record them: the
 ratio against the sampler is then 1 before an update whatever T (raw log-probs would differ by the
-temperature's reshaping), and the gradient is that of the policy that generates.
-
-With top-k/top-p on, the trainer cuts its logits as the sampler did (``grpo.inference.sampling.kept_tokens``) and scores
-the cut, renormalised distribution, rather than the samplers reporting the whole one: the replies were drawn from the
-cut one, so its ratio is the true importance ratio (1 before an update), and vLLM reports only the cut tempered
-log-probs or untempered ones ("processed" or "raw"), never tempered uncut ones. The price: a sort over the vocabulary
-at each reply position (top-p), in the trainer and the reference."""
+temperature's reshaping), and the gradient is that of the policy that generates."""
 
 from __future__ import annotations
 
@@ -16,7 +10,6 @@ import torch
 from tensordict import TensorDict
 from torch.utils.checkpoint import checkpoint
 
-from grpo.inference.sampling import kept_tokens
 from grpo.process.world import World
 from grpo.training.attention import PACKED_PLACEHOLDER_MASK_SHAPE
 from grpo.training.batch import micro_batches
@@ -28,10 +21,9 @@ class ReplyLogProbs(torch.nn.Module):
     trainer shards it with this as the root (``World.shard``): ``token_log_probs`` calls the decoder and
     the LM head directly, and only a root's forward gathers the embeddings, final norm and head."""
 
-    def __init__(self, model, temperature: float = 1.0, packed: bool = False, top_k: int = 0, top_p: float = 1.0):
+    def __init__(self, model, temperature: float = 1.0, packed: bool = False):
         super().__init__()
         self.model, self.temperature, self.packed = model, temperature, packed
-        self.top_k, self.top_p = top_k, top_p  # the sampler's cut (module docstring)
         self.head_log_probs = head_log_probs
 
     def compile_for_training(self) -> None:
@@ -48,8 +40,7 @@ class ReplyLogProbs(torch.nn.Module):
     def forward(self, input_ids, attention_mask, width_r: int, *, with_entropy: bool, entropy_grad: bool):
         token_lp, entropy = token_log_probs(self.model, input_ids, attention_mask, width_r, with_entropy=with_entropy,
                                             entropy_grad=entropy_grad, temperature=self.temperature,
-                                            head_fn=self.head_log_probs, packed=self.packed, top_k=self.top_k,
-                                            top_p=self.top_p)
+                                            head_fn=self.head_log_probs, packed=self.packed)
         # not views: FSDP2 hooks the root's outputs for backward, and a view would lose the hook on any in-place op
         return token_lp.clone(), entropy if entropy is None else entropy.clone()
 
@@ -94,11 +85,9 @@ LOGIT_CHUNK_BYTES = 2**28
 
 def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, width_r: int, *,
                     with_entropy: bool, entropy_grad: bool, temperature: float = 1.0, head_fn=None,
-                    packed: bool = False, top_k: int = 0,
-                    top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[S, R]`` log pi(reply token | everything before it), and its entropy if asked, where pi is
-    softmax(logits / ``temperature``), cut by ``top_k``/``top_p`` as the sampler cut it; 0 at the pads of
-    ``packed`` rows.
+    softmax(logits / ``temperature``); 0 at the pads of ``packed`` rows.
 
     The rows go through the decoder dense (``[S, P + R]``, pads included) or ``packed`` (their real tokens end to
     end, ``packed_reply_states``). Only the positions that predict a reply token go through the LM head: the
@@ -119,7 +108,7 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     # one chunk at least: replies that are all empty (a model that samples only stop tokens) score as [S, 0]
     for start in range(0, max(flat_targets.shape[0], 1), positions):
         args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], temperature,
-                with_entropy, entropy_grad, top_k, top_p)
+                with_entropy, entropy_grad)
         chunks.append(checkpoint(head_fn, *args, use_reentrant=False) if recompute else head_fn(*args))
     token_lp = to_rows(torch.cat([lp for lp, _ in chunks]))
     if not with_entropy:
@@ -192,23 +181,15 @@ def packed_reply_states(model, input_ids, attention_mask, width_r: int):
     return hidden[before], targets, lambda flat: flat.new_zeros(slots).index_put((reply_slots,), flat).view(reply.shape)
 
 
-def head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool,
-                   top_k: int = 0, top_p: float = 1.0):
+def head_log_probs(head, hidden, targets, temperature: float, with_entropy: bool, entropy_grad: bool):
     """Log-probs of ``targets`` (and the entropy) from one chunk of hidden states."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
-    keep = kept_tokens(logits.detach(), top_k, top_p)
-    if keep is not None:
-        # widened to hold the scored token: it was drawn, so its log-prob stays finite where these logits (an update
-        # later, or rounding at the cut's edge) leave it out
-        keep = keep.scatter(-1, targets.unsqueeze(-1), True)
-        logits = logits.masked_fill(~keep, float("-inf"))
     lse = logits.logsumexp(-1)
     token_lp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse  # no [.., V] log-prob tensor
     if not with_entropy:
         return token_lp, None
     with torch.set_grad_enabled(entropy_grad):
-        finite = logits if keep is None else logits.masked_fill(~keep, 0.0)  # 0 x -inf would be NaN
-        entropy = lse - (logits.softmax(-1) * finite).sum(-1)
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1)
     return token_lp, entropy

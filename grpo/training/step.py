@@ -61,8 +61,6 @@ class GRPOSettings:
     loss_variant: str                 # grpo, dr_grpo or gspo
     max_new_tokens: int               # dr_grpo's constant per reply
     temperature: float                # the sampler's: every log-prob is the tempered policy's (logprobs.py)
-    top_k: int                        # and the sampler's cut of it (0 / 1.0: off)
-    top_p: float
     importance_sampling: str          # none, or a mode of importance.py: clip against the trainer's log-probs
     is_low: float                     # the bounds of the importance weights
     is_high: float
@@ -89,7 +87,6 @@ class GRPOSettings:
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
             loss_variant=t.loss_variant, max_new_tokens=cfg.inference_model.max_new_tokens,
             temperature=cfg.inference_model.temperature, ref_micro_batch_tokens=cfg.ref_model.micro_batch_tokens,
-            top_k=cfg.inference_model.top_k, top_p=cfg.inference_model.top_p,
             importance_sampling=t.importance_sampling, is_low=t.is_low, is_high=t.is_high,
             epochs=t.epochs, optim_batch_size=t.optim_batch_size,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
@@ -110,8 +107,7 @@ class GRPOStep:
         self.s, self.world = settings, world
         self.policy, self.optimizer, self.scheduler = policy, optimizer, scheduler
         # the reference's scores: of rows the sampler handed it early (grpo.training.reference), or scored here
-        self.ref = ReferenceScores(ReplyLogProbs(ref_model, settings.temperature, settings.packed_sequences,
-                                                 settings.top_k, settings.top_p), settings,
+        self.ref = ReferenceScores(ReplyLogProbs(ref_model, settings.temperature, settings.packed_sequences), settings,
                                    pad_token_id=pad_token_id, world=world) if ref_model is not None else None
         self.pad_token_id = pad_token_id
         if settings.compile:  # fewer, fused kernels: 1.5B on an H100, train part 3.69 -> 2.65 s, reference 0.83 -> 0.57 s

@@ -35,8 +35,7 @@ class Trainer:
         # CPU: always float32; mixed_precision=false: float32 compute asked for
         gather_dtype = cfg.train_model.gather_dtype if torch.cuda.is_available() and settings.mixed_precision else None
         # before the optimiser: it holds the shards
-        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature, settings.packed_sequences,
-                                           settings.top_k, settings.top_p),
+        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature, settings.packed_sequences),
                              reshard_after_forward=cfg.train_model.reshard_after_forward,
                              gather_dtype=getattr(torch, gather_dtype) if gather_dtype else None)
         self.optimizer = make_optimizer(cfg, policy_model)
