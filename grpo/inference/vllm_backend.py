@@ -185,14 +185,6 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
                     enforce_eager=enforce_eager, seed=seed, log_level=log_level, **llm_kwargs)
 
 
-def vllm_logprobs_mode(settings: EngineSettings) -> str:
-    """The mode in which vLLM reports what the trainer scores: the log-prob of the tempered distribution before
-    top-k/top-p (``grpo.inference.sampling`` says why). vLLM has "processed" ones (after temperature and the cut)
-    and "raw" ones (before both): without a cut the first, at temperature 1 the second; never both on
-    (``grpo.process.config`` refuses it)."""
-    return "processed_logprobs" if not settings.top_k and settings.top_p >= 1.0 else "raw_logprobs"
-
-
 def push_weights(llm, weights: dict[str, torch.Tensor]) -> float:
     """Copy HF-named weights into the running engine in place; returns the seconds taken.
 
@@ -299,11 +291,14 @@ class VLLMInference(EnginePolicies):
                 f"train_model.devices=[1]), or set inference_model.backend=transformers.")
         self.dtype = torch_dtype(im.dtype, device)
         is_cpu = device.type == "cpu"
+        # the trainer scores the tempered distribution before top-k/top-p (grpo.inference.sampling): vLLM's "processed"
+        # log-probs (after both) are it without a cut, "raw" ones (before both) at temperature 1 (grpo.process.config)
+        cut = im.top_k > 0 or im.top_p < 1.0
         self.llm = make_vllm_engine(
             im.model_name, dtype=str(self.dtype).removeprefix("torch."), max_model_len=im.max_model_len,
             gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=is_cpu or im.enforce_eager, seed=im.seed,
             cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level,
-            logprobs_mode=vllm_logprobs_mode(im))
+            logprobs_mode="raw_logprobs" if cut else "processed_logprobs")
 
         # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing and stops on stop_token_ids;
         # logprobs=0: the sampled token's log-prob alone; top_k 0 is transformers' "off", vLLM's is -1
