@@ -32,7 +32,8 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         return draw_tokens(logits.contiguous(), 1.0 if greedy else 1.0 / temperature, greedy)
     scaled = logits.float() if greedy else logits.float() / temperature  # what the log-prob is of: before the cut
     logits = scaled
-    if not greedy:
+    cut = not greedy and (top_k or top_p < 1.0)
+    if cut:
         if top_k:
             kth = logits.topk(top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -49,7 +50,7 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         chunk = gumbel_argmax(log_mass)
         inside = chunks.gather(1, chunk[:, None, None].expand(-1, 1, chunks.shape[-1]))[:, 0]
         token = chunk * chunks.shape[-1] + gumbel_argmax(inside)
-    log_total = log_mass.logsumexp(-1) if logits is scaled else scaled.logsumexp(-1)
+    log_total = scaled.logsumexp(-1) if cut else log_mass.logsumexp(-1)
     log_prob = scaled.gather(-1, token[:, None])[:, 0] - log_total
     return token, log_prob
 
