@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 
 SPLIT = ("step_time_s", "generation_s", "generation_engine_s", "reference_s", "train_s", "weight_sync_s")
-WATCH = ("reward", "success_rate", "kl_to_ref", "kl_to_inference_pre_update", "clip_fraction", "grad_norm",
+WATCH = ("reward", "success_rate", "kl_to_ref", "mismatch/kl", "clip_fraction", "grad_norm",
          "response_length", "response_length_max", "response_truncated_fraction", "gpu_peak_memory_gb",
          "graphs_compiled")
 

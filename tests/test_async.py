@@ -74,7 +74,7 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
     # Weights move every optimiser step and no lag is allowed: batches queued before a push
     # must be dropped, and the workers must see every new version to produce usable data.
     proc = run_async(tmp_path, "train.total_steps=6", "train.weight_update_frequency=1", "train.max_policy_lag=0",
-                     "train.buffer_size=3", "train.inference_is_cap=2.0")
+                     "train.buffer_size=3", "train.importance_sampling=token_truncate")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 7))
@@ -85,8 +85,8 @@ def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_p
     assert versions == sorted(versions) and versions[-1] >= 4, versions
     # each push is checked on the worker: its generating model holds exactly the trainer's weights
     assert rows[-1]["weight_pushes_verified"] >= 4 and rows[-1]["weight_pushes_mismatched"] == 0
-    # truncated IS ran: token weights are logged and none exceeds the cap
-    assert all(0 < r["is_weight_mean"] <= 2.0 for r in rows)
+    # truncated IS ran: token weights are logged and none exceeds the cap (train.is_high, 2)
+    assert all(0 < r["mismatch/is_weight_mean"] <= 2.0 for r in rows)
     # dropped batches count as consumed, like trained ones; pending: the 3 + 1 assigned ahead (buffer + worker)
     consumed = 6 + rows[-1]["dropped_stale_batches"]
     assert last_checkpoint(tmp_path)["prompt_stream"] == {"next_batch": consumed + 4,
@@ -118,7 +118,7 @@ def test_vllm_backend_with_two_workers_runs_and_every_push_is_read_back_from_the
     steps = 8
     proc = run_async(tmp_path, "inference_model.backend=vllm", "train.num_collectors=2", f"train.total_steps={steps}",
                      "train.weight_update_frequency=1", "train.buffer_size=1", "train.max_policy_lag=2",
-                     "train.inference_is_cap=2.0", timeout=300)
+                     "train.importance_sampling=sequence_mask", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

@@ -252,8 +252,6 @@ CASES = [
     case("eval.batch_size-zero", config("eval.batch_size=0"), ConfigError, "eval.batch_size=0", ">= 1"),
     case("loss_variant-unknown", config("train.loss_variant=ppo"), ConfigError, "train.loss_variant='ppo'",
          "grpo, dr_grpo or gspo"),
-    case("gspo-with-token-is", config("train.loss_variant=gspo", "train.inference_is_cap=2.0"), ConfigError,
-         "train.loss_variant=gspo", "train.inference_is_cap=null"),
     case("kl_to_ref_coeff-negative", config("train.kl_to_ref_coeff=-0.1"), ConfigError,
          "train.kl_to_ref_coeff=-0.1", ">= 0", "0 turns the term off"),
     case("schedule-linear", config("optimizer.schedule=linear"), ConfigError,

@@ -428,6 +428,12 @@ def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
         check_resumable(in_run_dir, payload, cfg)
     payload["config"] = OmegaConf.to_container(cfg, resolve=True)
     check_resumable(in_run_dir, payload, cfg)  # the same model and run, in a run dir: fine
+    payload["config"]["train"]["inference_is_cap"] = 2.0  # a checkpoint from before train.importance_sampling
+    with pytest.raises(ResumeError, match=r"train.inference_is_cap=2.0, retired: pass "
+                                          r"train.importance_sampling=token_truncate train.is_high=2.0 to go on"):
+        check_resumable(in_run_dir, payload, cfg)
+    now = compose("grpo_tiny", ["train.importance_sampling=token_truncate", "train.is_high=2.0"])
+    check_resumable(in_run_dir, payload, now)
     with pytest.raises(ResumeError, match=r"is not in a run dir's checkpoints/ folder"):
         check_resumable(tmp_path / "elsewhere" / "step_00000001.json", payload, cfg)  # it would write into its parent
 

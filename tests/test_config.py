@@ -66,7 +66,12 @@ def test_every_key_has_a_comment(name):
     ("inference_model.dtype=fp8", r"inference_model.dtype='fp8'; use float32, bfloat16 or float16"),
     ("optimizer.lr=1e-4x", r"optimizer.lr='1e-4x' must be a number"),  # was a TypeError traceback
     ("optimizer.betas=[0.9,x]", r"optimizer.betas.1='x' must be a number"),
-    ("train.inference_is_cap=x", r"train.inference_is_cap='x' must be a number or null"),
+    ("train.inference_is_cap=2.0", r"train.inference_is_cap is retired: write train.importance_sampling=token_truncate "
+                                   r"train.is_high=2.0 instead"),
+    ("train.importance_sampling=tis", r"train.importance_sampling='tis'; use one of none, token_truncate, token_mask"),
+    (["inference_model.backend=vllm", "inference_model.top_p=0.9", "inference_model.temperature=0.7"],
+     r"backend=vllm with top_k=0, top_p=0.9 and temperature=0.7: .* set inference_model.temperature=1.0"),
+    ("train.is_high=0.9", r"train.is_low=0.5 and train.is_high=0.9 must bound .* 0 <= is_low <= 1 <= is_high"),
     ("eval.max_new_tokens=0", r"eval.max_new_tokens=0 must be a whole number >= 1"),
     ("train.checkpoint_frequency=-1", r"train.checkpoint_frequency=-1 must be >= 0"),  # was: a checkpoint every step
     ("logging.keep_last=-1", r"logging.keep_last=-1 must be >= 0 \(0 or null: keep every checkpoint\)"),

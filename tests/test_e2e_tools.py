@@ -38,7 +38,7 @@ def test_the_tiny_model_learns_to_call_the_tool_and_answer(trained):
     assert last["eval/tool_calls_per_episode"] > 0.8 and last["eval/accuracy"] > first["eval/accuracy"] + 0.1
     assert steps[-1]["tools/calls_per_episode"] > steps[0]["tools/calls_per_episode"] + 0.3
     assert all(1.0 <= s["episode/turns"] <= 2.0 and 0 <= s["tools/error_rate"] <= 1 for s in steps)
-    assert all(s["kl_to_inference_pre_update"] < 1e-6 for s in steps)  # float32 sampler and trainer, tool turns masked
+    assert all(s["mismatch/kl"] < 1e-6 for s in steps)  # float32 sampler and trainer, tool turns masked
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any("<tool_call>" in s["reply"] and "⟦env: " in s["reply"] for s in samples)
 

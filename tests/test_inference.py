@@ -12,8 +12,9 @@ from grpo.process.setup import resolve_local_paths
 from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.batch import to_training_batch
+from grpo.training.logprobs import token_log_probs
 from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
-from grpo.training.step import train_mode_if
+from grpo.training.models import train_mode_if
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,27 @@ def test_replies_end_at_their_first_stop_token_when_the_model_pads_with_eos(tiny
     mask = batch["reply_mask"]
     diff = (trainer_lp - batch["behaviour_log_probs"])[mask]
     assert float((diff.expm1() - diff).mean()) < 1e-3  # sampler/trainer KL before any update
+
+
+@pytest.mark.parametrize("cut", [{"top_p": 0.5, "temperature": 0.7}, {"top_k": 2, "temperature": 1.5}],
+                         ids=["top_p", "top_k"])
+def test_with_top_k_or_top_p_sampler_and_trainer_score_one_distribution(tiny, cut):
+    """The sampler reports the tempered distribution's log-prob before its top-k/top-p cut, the one the trainer
+    scores: their KL before any update is ~0 (here 1.5e-3 and 2.1e-4 when the sampler reported the cut one's)."""
+    cfg, tok, model = tiny
+    saved = {key: cfg.inference_model[key] for key in cut}
+    try:
+        rollouts, _, _ = sampled_rollouts(cfg, tok, model, **cut)
+    finally:
+        for key, value in saved.items():
+            cfg.inference_model[key] = value
+    batch = to_training_batch(Replies.from_collector(rollouts), pad_token_id=tok.pad_token_id)
+    with torch.no_grad():
+        lp, _ = token_log_probs(model, batch["input_ids"], batch["attention_mask"], batch["reply_mask"].shape[1],
+                                with_entropy=False, entropy_grad=False, temperature=cut.get("temperature", 1.0))
+    mask = batch["reply_mask"]
+    diff = (lp - batch["behaviour_log_probs"])[mask]
+    assert float((diff.expm1() - diff).mean()) < 1e-6
 
 
 def test_top_k_is_off_by_default_and_reaches_generate(tiny):

@@ -76,7 +76,7 @@ def test_real_replies_end_at_eos_and_nothing_after_it_is_a_reply_token(real_step
 
 def test_real_sampler_and_trainer_agree_before_the_first_update(real_step):
     *_, stats, _, _ = real_step
-    assert 0 <= stats["kl_to_inference_pre_update"] < 1e-3
+    assert 0 <= stats["mismatch/kl"] < 1e-3
     assert stats["kl_to_ref"] < 1e-3  # the reference is the same weights before any update
 
 

@@ -63,5 +63,5 @@ def test_qwen_calls_the_tool_in_its_own_format_and_reads_the_sandbox_s_answer(re
 
 def test_qwen_sampler_and_trainer_agree_on_the_episode_before_the_first_update(real_tool_step):
     *_, stats = real_tool_step
-    assert 0 <= stats["kl_to_inference_pre_update"] < 1e-3
+    assert 0 <= stats["mismatch/kl"] < 1e-3
     assert stats["kl_to_ref"] < 1e-3

@@ -1,4 +1,5 @@
-"""grpo/inference/sampling.py: tokens drawn from the tempered, cut distribution, with its log-probs."""
+"""grpo/inference/sampling.py: tokens drawn from the tempered, cut distribution, with their log-probs under the
+tempered distribution before the cut (the trainer's)."""
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from grpo.inference.sampling import VOCAB_CHUNKS, chunked_argmax, sample_tokens,
 
 def test_sampling_follows_the_models_distribution():
     """Over many draws from fixed logits, token frequencies match softmax(logits / temperature), and
-    top-k / top-p keep exactly the tokens they should; the log-prob is of that distribution (greedy: of
-    the raw logits)."""
+    top-k / top-p keep exactly the tokens they should; the log-prob is of the tempered distribution before the cut
+    (greedy: of the raw logits)."""
     torch.manual_seed(0)
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]]).repeat(20000, 1)
     token, log_prob = sample_tokens(logits, greedy=False, temperature=2.0, top_k=0, top_p=1.0)
@@ -18,13 +19,13 @@ def test_sampling_follows_the_models_distribution():
     torch.testing.assert_close(log_prob, (logits[0] / 2.0).log_softmax(-1)[token])
     token, log_prob = sample_tokens(logits, greedy=False, temperature=1.0, top_k=2, top_p=1.0)
     assert set(token.tolist()) == {0, 1}
-    torch.testing.assert_close(log_prob, logits[0, :2].log_softmax(-1)[token])
+    torch.testing.assert_close(log_prob, logits[0].log_softmax(-1)[token])
     probs = logits[0].softmax(-1)  # 0.53, 0.20, 0.12, 0.07, 0.03: top_p=0.7 keeps the first two
     token, log_prob = sample_tokens(logits, greedy=False, temperature=1.0, top_k=0, top_p=0.7)
     assert set(token.tolist()) == {0, 1}
     kept = probs[:2] / probs[:2].sum()
     torch.testing.assert_close(torch.bincount(token, minlength=2).float()[:2] / len(token), kept, atol=0.01, rtol=0)
-    torch.testing.assert_close(log_prob, kept.log()[token])
+    torch.testing.assert_close(log_prob, probs.log()[token])
     token, log_prob = sample_tokens(logits[:2], greedy=True, temperature=2.0, top_k=0, top_p=1.0)
     torch.testing.assert_close(log_prob, logits[:2].log_softmax(-1)[:, 0])
 
@@ -57,7 +58,7 @@ def test_a_draw_over_many_chunks_follows_the_distribution():
     assert (vocab_chunks(kept[None])[0, :vocab // 5] == float("-inf")).all(-1).any()  # a chunk cut whole (5 a chunk)
     freq = torch.bincount(token, minlength=vocab).float() / len(token)
     torch.testing.assert_close(freq, kept.softmax(-1), atol=0.006, rtol=0)
-    torch.testing.assert_close(log_prob, kept.log_softmax(-1)[token])
+    torch.testing.assert_close(log_prob, scaled.log_softmax(-1)[token])
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton draw runs on a GPU")

@@ -267,7 +267,7 @@ def test_optimize_steps_once_per_minibatch_and_starts_on_policy(setup):
         step = make_step(cfg, model, epochs=2, micro_batch_size=2, optim_batch_size=4)
         metrics = step.optimize(batch.clone())
         assert metrics["optim_steps"] == 2 * 8 // 4
-        assert metrics["kl_to_inference_pre_update"] < 1e-3
+        assert metrics["mismatch/kl"] < 1e-3
         assert any((p != before[n]).any() for n, p in model.named_parameters())
     finally:
         with torch.no_grad():
@@ -307,7 +307,7 @@ def test_micro_batches_add_up_to_one_pass_over_the_minibatch(setup, variant, agg
     split, split_grads = summed_terms([part for _, part in cuts], LossTotals.of(batch))
     assert set(split) == set(whole) and "kl_to_ref" in whole
     for key in whole:
-        if key != "ess":  # not a sum: each micro-batch's own, weighted by its tokens
+        if key not in ("ess", "max_abs_logprob_gap"):  # not sums: the micro-batch's own (ess weighted by its tokens)
             torch.testing.assert_close(split[key], whole[key], atol=1e-6, rtol=1e-4)
     assert variant == "gspo" or float(whole["clip_fraction"]) > 0  # gspo's per-reply means stay inside the clip
     for g_split, g_whole in zip(split_grads, whole_grads):
@@ -404,47 +404,17 @@ def test_reference_scoring_in_micro_batches_equals_one_pass(setup):
     torch.testing.assert_close(whole[mask], batch["behaviour_log_probs"][mask], atol=1e-4, rtol=1e-4)
 
 
-def test_truncated_is_clips_against_trainer_and_weights_by_capped_ratio(setup):
-    """loss = -mean_tokens min(r A, clip(r) A) * min(pi_trainer_old / pi_sampler, cap), r = pi / pi_trainer_old."""
-    cfg, _, model, _, batch = setup
-    batch = batch.clone()
-    cfg = cfg.copy()
-    cfg.train.inference_is_cap = 1.5
-    eps_low, eps_high = cfg.train.clip_epsilon_low, cfg.train.clip_epsilon_high
-    with torch.no_grad():
-        cur = reply_log_probs(model, batch)
-    batch["advantage"] = torch.tensor([1.0, -1.0, 0.5, -2.0, 1.5, -0.5, 2.0, -1.5])
-    batch["trainer_log_probs"] = _perturbed_old_log_probs(batch, seed=3, scale=0.6)
-    batch["behaviour_log_probs"] = _perturbed_old_log_probs(batch, seed=4, scale=1.6)
-    terms, capped, count = [], 0, 0
-    for i in range(8):
-        n = int(batch["reply_length"][i])
-        ratio = (cur[i, :n] - batch["trainer_log_probs"][i, :n]).exp()
-        weight = (batch["trainer_log_probs"][i, :n] - batch["behaviour_log_probs"][i, :n]).exp()
-        a = batch["advantage"][i]
-        gain = torch.minimum(ratio * a, ratio.clamp(1 - eps_low, 1 + eps_high) * a)
-        terms.append(gain * weight.clamp(max=1.5))
-        capped += int((weight >= 1.5).sum())
-        count += n
-    out = terms_of(cfg, model, batch)
-    assert 0 < capped < count, "the test needs some capped and some uncapped weights"
-    assert float(out["objective"]) == pytest.approx(float(-torch.cat(terms).sum() / count), rel=1e-4, abs=1e-6)
-    assert float(out["is_truncated_fraction"]) == pytest.approx(capped / count, abs=1e-6)
-    # off: the same batch is clipped against the sampler's log-probs, with no weights
-    cfg.train.inference_is_cap = None
-    assert "is_weight_mean" not in terms_of(cfg, model, batch)
-
-
-def test_truncated_is_scores_the_trainer_log_probs_in_prepare(setup):
+def test_importance_sampling_scores_the_trainer_log_probs_in_prepare(setup):
+    """With a mode on, prepare scores the replies with the trainer and weighs them (grpo.training.importance; the loss
+    and gradient of each mode: tests/test_importance.py): with the sampler's weights, every weight is ~1."""
     cfg, tok, model, rollouts, _ = setup
-    step = make_step(cfg, model, inference_is_cap=1.5, micro_batch_size=3)
-    step.pad_token_id, step.stop_token_ids = tok.pad_token_id, stop_token_ids(tok, model.generation_config)
+    step = make_step(cfg, model, importance_sampling="sequence_mask", micro_batch_size=3)
     batch, stats = step.prepare(Replies.from_collector(rollouts))
-    # same weights as the sampler: the trainer's log-probs equal the sampler's
     mask = batch["reply_mask"]
     torch.testing.assert_close(batch["trainer_log_probs"] * mask, batch["behaviour_log_probs"] * mask,
                                atol=1e-4, rtol=1e-4)
-    assert stats["trainer_sampler_log_ratio_abs"] < 1e-4
+    assert stats["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert stats["mismatch/masked_token_fraction"] == stats["mismatch/masked_reply_fraction"] == 0
 
 
 def test_compiled_loss_matches_eager_in_value_and_gradient(setup):

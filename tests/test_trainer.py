@@ -98,4 +98,4 @@ def test_the_trainer_scores_the_tempered_policy_the_engine_sampled_from(tiny_mod
         metrics = trainer.update(rollouts, step=1)
     finally:
         engine.shutdown()
-    assert metrics["kl_to_inference_pre_update"] < 1e-4 and metrics["kl_to_ref"] < 1e-4, metrics
+    assert metrics["mismatch/kl"] < 1e-4 and metrics["kl_to_ref"] < 1e-4, metrics

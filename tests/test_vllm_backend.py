@@ -278,7 +278,9 @@ def test_push_weights_merges_lora(llm, hf_model, sequences):
 
 # ----------------------------------------------------------------------------- trainer glue
 def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
-    """grpo.inference.engine.make_inference(backend=vllm): policies, eval policy, weight pushes.
+    """grpo.inference.engine.make_inference(backend=vllm): policies, eval policy, weight pushes; with top-p (then
+    top-k) on, each drawn token's log-prob before the cut, the trainer's (grpo.inference.sampling says why):
+    sampler/trainer KL 1e-12 (3e-2 and 8e-4 with the cut distribution's, vLLM's "processed" mode).
 
     Starts a second in-process engine (~2 s); takes ``llm`` only so that it runs while the
     shared engine is alive, as it would next to a trainer's other engine."""
@@ -289,7 +291,7 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
     from grpo.inference.engine import make_inference
 
     cfg = compose("grpo_tiny", [f"model.name={model_dir}", "inference_model.backend=vllm",
-                                "inference_model.max_new_tokens=6", "eval.max_new_tokens=5"])
+                                "inference_model.max_new_tokens=6", "eval.max_new_tokens=5", "inference_model.top_p=0.5"])
     from grpo.training.models import stop_token_ids
 
     stop_ids = stop_token_ids(tokenizer, hf_model.generation_config)
@@ -315,6 +317,18 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
         lps = out.get(("log_probs", "response"), as_list=True)
         assert all(0 < r.numel() <= 6 and lp.shape == r.shape for r, lp in zip(resp, lps))
         assert all(0 < r.numel() <= 5 for r in greedy.get(("tokens", "response"), as_list=True))
+        prompts = [torch.tensor(tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                              add_generation_prompt=True, return_dict=True)["input_ids"])
+                   for text in ("What is 12 plus 7?", "Hi", "Name three colours.")] * 4
+        for cut in ({}, {"top_p": 1.0, "top_k": 2}):  # a request's own parameters: one engine, in "raw" mode
+            for key, value in cut.items():
+                setattr(inf.sampling_params[False], key, value)
+            sampler, trainer = [], []
+            for prompt, (reply, log_probs) in zip(prompts, inf.sample(prompts, 12, greedy=False)):
+                sampler.append(log_probs)
+                trainer.append(hf_logprobs(hf_model, torch.cat([prompt, reply]).tolist())[prompt.numel() - 1:])
+            diff = torch.cat(trainer) - torch.cat(sampler)
+            assert float((diff.expm1() - diff).mean()) < 1e-6, cut
         assert inf.push_weights(hf_model.state_dict(), version=7) >= 0 and inf.version == 7
     finally:
         inf.shutdown()

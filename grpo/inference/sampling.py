@@ -13,8 +13,14 @@ VOCAB_CHUNKS = 32
 
 
 def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p: float, kernel: bool = False):
-    """The next token of each row and its log-prob under the distribution it was drawn from: softmax of
-    the logits / temperature, cut by top-k/top-p (as vLLM's ``processed_logprobs``); greedy: the raw logits'.
+    """The next token of each row, drawn from softmax(logits / temperature) cut by top-k/top-p, and its log-prob
+    under softmax(logits / temperature) before the cut; greedy: the raw logits'.
+
+    Before the cut, the log-prob of the policy the trainer scores (``grpo.training.logprobs``): so sampler and
+    trainer agree before an update, whatever the cut. The other way, the trainer scoring the cut distribution,
+    gives a token drawn from a one-token nucleus log-prob 0 and no gradient, whatever its advantage: at top_p=0.5
+    every token of a tiny-model step was such a token (the cut distribution's entropy 0.0). The ratio then leaves
+    the cut's own bias uncorrected, as most trainers do.
 
     A draw is exact in two stages: a vocabulary chunk by its probability mass, then a token of that chunk by
     its probability within it (each a Gumbel-max draw). So random numbers are drawn for one chunk a row, not
@@ -24,9 +30,10 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         from grpo.inference.sampling_kernel import draw_tokens  # imports Triton: GPUs only
 
         return draw_tokens(logits.contiguous(), 1.0 if greedy else 1.0 / temperature, greedy)
-    logits = logits.float()
-    if not greedy:
-        logits = logits / temperature
+    scaled = logits.float() if greedy else logits.float() / temperature  # what the log-prob is of: before the cut
+    logits = scaled
+    cut = not greedy and (top_k or top_p < 1.0)
+    if cut:
         if top_k:
             kth = logits.topk(top_k, dim=-1).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -43,7 +50,8 @@ def sample_tokens(logits, *, greedy: bool, temperature: float, top_k: int, top_p
         chunk = gumbel_argmax(log_mass)
         inside = chunks.gather(1, chunk[:, None, None].expand(-1, 1, chunks.shape[-1]))[:, 0]
         token = chunk * chunks.shape[-1] + gumbel_argmax(inside)
-    log_prob = logits.gather(-1, token[:, None])[:, 0] - log_mass.logsumexp(-1)
+    log_total = scaled.logsumexp(-1) if cut else log_mass.logsumexp(-1)
+    log_prob = scaled.gather(-1, token[:, None])[:, 0] - log_total
     return token, log_prob
 
 

@@ -176,8 +176,8 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
         gpu_memory_utilization = 0.3 if device_is_cpu else 0.9
     if enforce_eager is None:
         enforce_eager = device_is_cpu
-    # processed: log-probs of the distribution each token was drawn from (after temperature, top-k/top-p),
-    # what the trainer scores (grpo/training/logprobs.py); vLLM's default gives the raw logits'
+    # processed: log-probs after temperature (and top-k/top-p, which VLLMInference asks raw ones for); vLLM's
+    # default gives the raw logits'
     llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
     return vllm.LLM(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
@@ -291,10 +291,14 @@ class VLLMInference(EnginePolicies):
                 f"train_model.devices=[1]), or set inference_model.backend=transformers.")
         self.dtype = torch_dtype(im.dtype, device)
         is_cpu = device.type == "cpu"
+        # the trainer scores the tempered distribution before top-k/top-p (grpo.inference.sampling): vLLM's "processed"
+        # log-probs (after both) are it without a cut, "raw" ones (before both) at temperature 1 (grpo.process.config)
+        cut = im.top_k > 0 or im.top_p < 1.0
         self.llm = make_vllm_engine(
             im.model_name, dtype=str(self.dtype).removeprefix("torch."), max_model_len=im.max_model_len,
             gpu_memory_utilization=im.gpu_memory_utilization, enforce_eager=is_cpu or im.enforce_eager, seed=im.seed,
-            cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level)
+            cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, device=device.type, log_level=im.vllm_log_level,
+            logprobs_mode="raw_logprobs" if cut else "processed_logprobs")
 
         # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing and stops on stop_token_ids;
         # logprobs=0: the sampled token's log-prob alone; top_k 0 is transformers' "off", vLLM's is -1

@@ -12,6 +12,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from grpo.loop.logger import read_metrics
+from grpo.process.config import inference_is_cap_now
 from grpo.process.errors import ResumeError
 from grpo.training.checkpoint import CKPT_PATTERN, FRESH, PICKLED, list_checkpoints, load_checkpoint, load_latest_good
 
@@ -37,6 +38,11 @@ def check_resumable(path: Path, payload, cfg) -> None:
                               f"{section}.{key} as it was, or start without resume.")
     if cfg.train.total_steps == 0:  # evaluation only: nothing is trained on, any config may read the weights
         return
+    cap, t = _select(saved, "train.inference_is_cap"), cfg.train
+    now = (t.importance_sampling, t.is_high)
+    if cap is not None and now != ("token_truncate", cap) and not cfg.resume_allow_changes:
+        raise ResumeError(f"resume: {path} was trained with train.inference_is_cap={cap}, retired: pass "
+                          f"{inference_is_cap_now(cap)} to go on as it did (or resume_allow_changes=true).")
     changed = [f"{key}={_select(saved, key)!r} -> {_select(now, key)!r}" for now in [OmegaConf.to_container(cfg, resolve=True)]
                for key in meaning_keys(cfg) if _select(saved, key) != _select(now, key)]
     if changed and cfg.resume_allow_changes:

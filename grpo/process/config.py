@@ -14,6 +14,13 @@ from grpo.tasks.tool_env import check_turn_config
 from grpo.tasks.user_rewards import parse_spec
 
 VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# train.importance_sampling (grpo.training.importance)
+IMPORTANCE_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def inference_is_cap_now(cap) -> str:
+    """What a config or checkpoint of ``train.inference_is_cap=cap`` writes today."""
+    return f"train.importance_sampling=token_truncate train.is_high={cap}"
 
 
 def validate_config(cfg) -> None:
@@ -40,10 +47,11 @@ def validate_config(cfg) -> None:
                 "inference_model.gpu_memory_utilization", "train.kl_to_ref_coeff", "train.kl_to_inference_coeff",
                 "train.entropy_coeff", "env.repeats", "train.total_steps", "train.epochs", "train.clip_epsilon_low",
                 "train.clip_epsilon_high", "train.num_collectors", "train.buffer_size", "train.weight_update_frequency",
-                "train.max_policy_lag", "train.checkpoint_frequency", "eval.frequency", "reward.success_threshold"):
+                "train.max_policy_lag", "train.checkpoint_frequency", "eval.frequency", "reward.success_threshold",
+                "train.is_low", "train.is_high"):
         value = OmegaConf.select(cfg, key)
         need(isinstance(value, (int, float)) and not isinstance(value, bool), f"{key}={value!r} must be a number.")
-    for key in ("train.inference_is_cap", "logging.keep_last", "logging.profile_step"):
+    for key in ("logging.keep_last", "logging.profile_step"):
         value = OmegaConf.select(cfg, key)
         need(value is None or isinstance(value, (int, float)) and not isinstance(value, bool),
              f"{key}={value!r} must be a number or null.")
@@ -105,14 +113,16 @@ def validate_config(cfg) -> None:
     need(t.epochs >= 1, f"train.epochs={t.epochs} must be >= 1.")
     need(0 <= t.clip_epsilon_low < 1 and t.clip_epsilon_high >= 0, "train.clip_epsilon_low must be in [0, 1) and "
          "train.clip_epsilon_high >= 0 (e.g. 0.2 and 0.28).")
-    need(t.inference_is_cap is None or t.inference_is_cap >= 1, f"train.inference_is_cap={t.inference_is_cap} must be "
-         ">= 1 (the largest weight a token may get) or null (off).")
+    need(t.inference_is_cap is None, "train.inference_is_cap is retired: write "
+         f"{inference_is_cap_now(t.inference_is_cap)} instead (the same truncated importance sampling).")
+    need(t.importance_sampling in IMPORTANCE_MODES, f"train.importance_sampling={t.importance_sampling!r}; use one of "
+         f"{', '.join(IMPORTANCE_MODES)}.")
+    need(0 <= t.is_low <= 1 <= t.is_high, f"train.is_low={t.is_low} and train.is_high={t.is_high} must bound the "
+         "importance weights around 1: 0 <= is_low <= 1 <= is_high (e.g. 0.5 and 2).")
     need(t.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={t.on_nonfinite!r}; use stop (end the run before a "
          "NaN/inf gradient reaches the weights) or skip (skip that optimiser step and go on).")
     need(t.aggregation in ("token_mean", "prompt_mean"), f"train.aggregation={t.aggregation!r}; use token_mean or prompt_mean.")
     need(t.loss_variant in ("grpo", "dr_grpo", "gspo"), f"train.loss_variant={t.loss_variant!r}; use grpo, dr_grpo or gspo.")
-    need(not (t.loss_variant == "gspo" and t.inference_is_cap is not None), "train.loss_variant=gspo weighs whole "
-         "replies, train.inference_is_cap weighs tokens: set train.inference_is_cap=null with gspo.")
     for key in ("train.dynamic_sampling", "train.overlong_filter", "train.packed_sequences", "inference_model.compact_rows",
                 "inference_model.filled_slots", "inference_model.compile_prefill",
                 "inference_model.sampler_kernel", "ref_model.score_early"):
@@ -152,6 +162,10 @@ def validate_config(cfg) -> None:
          "float32) or inference_model.dtype=bfloat16.")
     need(isinstance(im.top_k, int) and im.top_k >= 0, f"inference_model.top_k={im.top_k!r} must be a whole number "
          ">= 0 (0 = off: sample from the whole vocabulary).")
+    need(im.backend != "vllm" or im.temperature == 1 or not im.top_k and im.top_p >= 1, "inference_model.backend=vllm "
+         f"with top_k={im.top_k}, top_p={im.top_p} and temperature={im.temperature}: vLLM reports log-probs after both "
+         "or before both, and the trainer scores them after temperature, before the cut; set "
+         "inference_model.temperature=1.0, or top_k=0 and top_p=1.0, or backend=transformers.")
     need(cfg.reward.answer_extraction in ANSWER_EXTRACTIONS, f"reward.answer_extraction="
          f"{cfg.reward.answer_extraction!r}; use flexible (an explicit final answer, else the last number), strict (an "
          "explicit final answer only) or tag (inside <answer> only).")

@@ -58,12 +58,12 @@ class World:
         rows are dealt out so each rank gets a like share of the tokens."""
         return rows[self.rank::self.size]
 
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks (a new tensor)."""
+    def sum(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """The sum (or ``op``) over ranks (a new tensor)."""
         if self.size == 1:
             return tensor
         out = tensor.clone()
-        dist.all_reduce(out)
+        dist.all_reduce(out, op=op)
         return out
 
     def from_main(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ def trim_padding(batch: TensorDict) -> TensorDict:
     seq = slice(width_p - keep_p, width_p + keep_r)
     out = batch.clone(recurse=False)
     out["input_ids"], out["attention_mask"] = batch["input_ids"][:, seq], batch["attention_mask"][:, seq]
-    for key in ("reply_mask", "behaviour_log_probs", "ref_log_probs", "trainer_log_probs"):
+    for key in ("reply_mask", "behaviour_log_probs", "ref_log_probs", "trainer_log_probs", "is_weight"):
         if key in batch.keys():
             out[key] = batch[key][:, :keep_r]
     return out

@@ -1,7 +1,9 @@
-"""Loading the tokenizer and the models: the trained policy, the frozen reference, generation copies."""
+"""Loading the tokenizer and the models (the trained policy, the frozen reference, generation copies), and the modes
+a model runs in (autocast, train mode)."""
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from pathlib import Path
 
@@ -211,3 +213,23 @@ def stop_token_ids(tokenizer, generation_config) -> list[int]:
     model_eos = getattr(generation_config, "eos_token_id", None)
     model_eos = [] if model_eos is None else [model_eos] if isinstance(model_eos, int) else list(model_eos)
     return sorted({tokenizer.eos_token_id, tokenizer.pad_token_id, *model_eos} - {None})
+
+
+def autocast_if(enabled: bool, model):
+    """bf16 autocast for float32 weights on a GPU. Weights already in bf16 gain nothing from it but
+    a dispatch per op: about 10% of the training time of a 0.5B model, measured on an H200."""
+    param = next(model.parameters())
+    if enabled and param.device.type == "cuda" and param.dtype == torch.float32:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def train_mode_if(model, enabled: bool):
+    """Train mode for the duration, when gradient checkpointing needs it (HF checkpoints only in
+    train mode); the model is otherwise kept in eval mode, where ``generate`` keeps its KV cache."""
+    model.train(enabled)
+    try:
+        yield
+    finally:
+        model.eval()

@@ -7,9 +7,10 @@
     advantage  = (r - mean_group) / std_group              replies to one prompt form a group (dr_grpo: no / std)
     reply_mask = sampled tokens                            never a tool's; train.overlong_filter: no truncated episode
     for epoch, minibatch (micro-batches of similar lengths, accumulated):
-        ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, truncated IS);
+        ratio  = pi(reply) / pi_old(reply)                 pi_old: the sampler (or the trainer, importance.py);
                                                            per token (gspo: per reply, geometric mean)
-        loss   = -min(ratio A, clip(ratio) A) + c_ref KL_ref + c_inf KL_inf - c_ent H
+        loss   = -w min(ratio A, clip(ratio) A) + c_ref KL_ref + c_inf KL_inf - c_ent H
+                                                           w: importance weight (importance.py), else 1
                                                            means over the whole minibatch's tokens, whatever
                                                            its cut; dr_grpo: token sum / (replies x max_new_tokens)
         backward; clip grad norm; optimiser and LR schedule step (a NaN/inf gradient: stop, or skip the step)
@@ -26,20 +27,22 @@ tokens only, so they do not shrink as prompts grow.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from tensordict import TensorDict
 
 from grpo.process.errors import NonFiniteError
 from grpo.process.world import World, full, set_gradient_sync
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batch_rows, rollout_metrics, to_training_batch, trim_padding
+from grpo.training.importance import add_importance_weights
 from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
+from grpo.training.models import autocast_if, train_mode_if
 from grpo.training.reference import ReferenceScores
 
 
@@ -58,7 +61,9 @@ class GRPOSettings:
     loss_variant: str                 # grpo, dr_grpo or gspo
     max_new_tokens: int               # dr_grpo's constant per reply
     temperature: float                # the sampler's: every log-prob is the tempered policy's (logprobs.py)
-    inference_is_cap: float | None    # truncated IS on: clip against the trainer's own log-probs
+    importance_sampling: str          # none, or a mode of importance.py: clip against the trainer's log-probs
+    is_low: float                     # the bounds of the importance weights
+    is_high: float
     epochs: int
     optim_batch_size: int             # replies per optimiser step (a minibatch)
     micro_batch_size: int             # at most this many replies in one forward/backward
@@ -82,7 +87,8 @@ class GRPOSettings:
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
             loss_variant=t.loss_variant, max_new_tokens=cfg.inference_model.max_new_tokens,
             temperature=cfg.inference_model.temperature, ref_micro_batch_tokens=cfg.ref_model.micro_batch_tokens,
-            inference_is_cap=t.inference_is_cap, epochs=t.epochs, optim_batch_size=t.optim_batch_size,
+            importance_sampling=t.importance_sampling, is_low=t.is_low, is_high=t.is_high,
+            epochs=t.epochs, optim_batch_size=t.optim_batch_size,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
             micro_batch_tokens=t.micro_batch_tokens, packed_sequences=t.packed_sequences,
             clip_grad_norm=cfg.optimizer.clip_grad_norm, mixed_precision=cfg.train_model.mixed_precision,
@@ -134,11 +140,9 @@ class GRPOStep:
             metrics["kl_to_ref"] = kl.mean().item()
             if self.s.kl_to_ref_in_reward:
                 batch["reward"] = batch["reward"] - self.s.kl_to_ref_coeff * kl
-        if self.s.inference_is_cap is not None:
+        if self.s.importance_sampling != "none":
             # all rows on every rank: the sharded policy needs the same passes on every rank
             batch["trainer_log_probs"] = score_replies(batch, self.policy, self.s)
-            gap = (batch["trainer_log_probs"] - batch["behaviour_log_probs"]) * batch["reply_mask"]
-            metrics["trainer_sampler_log_ratio_abs"] = (gap.abs().sum() / batch["reply_mask"].sum().clamp_min(1)).item()
         batch["advantage"] = group_advantages(batch["reward"], batch["group_id"],
                                               scale_by_std=self.s.loss_variant != "dr_grpo",
                                               in_baseline=batch["in_baseline"])
@@ -149,6 +153,8 @@ class GRPOStep:
         metrics |= {"advantage_std": batch["advantage"].std().item(), "advantage_mean": batch["advantage"].mean().item()}
         if self.s.overlong_filter:  # after the advantages: a cut reply still counts in its group's baseline
             batch["reply_mask"] = batch["reply_mask"] & batch["reply_stopped"][:, None]
+        metrics |= add_importance_weights(batch, loss_mask(batch), self.s.importance_sampling, self.s.is_low,
+                                          self.s.is_high)
         return batch, metrics | {"reference_s": time.perf_counter() - t0}
 
     def optimize(self, batch: TensorDict) -> dict:
@@ -156,14 +162,15 @@ class GRPOStep:
 
         A minibatch runs as micro-batches of similar lengths (``micro_batches``), each term divided by
         the whole minibatch's totals, so the gradient is that of the minibatch in one pass however it is
-        cut. ``kl_to_inference_pre_update`` is the first minibatch's sampler/trainer KL, before any
-        update: on-policy it must be ~0 (< 1e-3), or sampler and trainer disagree on the tokens.
+        cut. ``mismatch/kl`` is the first minibatch's sampler/trainer KL, before any update: on-policy it
+        must be ~0 (< 1e-3), or sampler and trainer disagree on the tokens.
         """
         t0, s, world = time.perf_counter(), self.s, self.world
         device = next(self.policy.parameters()).device
         params = [p for p in self.policy.parameters() if p.requires_grad]
         # device tensors until the end: a .item() per micro-batch would stall the GPU queue
         sums, grad_norms, n_minibatches, pre_update_kl, skipped, n_micro = defaultdict(float), [], 0, 0.0, 0, 0
+        pre_update_gap = torch.zeros((), device=device)
         advantage_abs = 0.0
         with train_mode_if(self.policy, s.gradient_checkpointing):
             for _ in range(s.epochs):
@@ -186,6 +193,7 @@ class GRPOStep:
                             sums[name] = sums[name] + value
                         if n_minibatches == 0:
                             pre_update_kl = pre_update_kl + terms["kl_to_inference"].detach()
+                            pre_update_gap = torch.maximum(pre_update_gap, terms["max_abs_logprob_gap"])
                         n_micro += 1
                     advantage_abs = advantage_abs + minibatch["advantage"].abs().mean()
                     n_minibatches += 1
@@ -211,7 +219,8 @@ class GRPOStep:
         train_s = time.perf_counter() - t0
         return {name: float(value) / n_minibatches for name, value in zip(names, totals_over_ranks)} | {
             "advantage_abs": float(advantage_abs) / n_minibatches,
-            "kl_to_inference_pre_update": float(totals_over_ranks[-1]),
+            "mismatch/kl": float(totals_over_ranks[-1]),
+            "mismatch/max_abs_logprob_gap": float(world.sum(pre_update_gap, dist.ReduceOp.MAX)),
             "grad_norm": float(sum(grad_norms)) / len(grad_norms) if grad_norms else float("nan"),
             "optim_steps": len(grad_norms), "skipped_optim_steps": skipped, "lr": self.scheduler.get_last_lr()[0],
             "micro_batches": n_micro / n_minibatches, "train_s": train_s,
@@ -249,30 +258,29 @@ def grpo_terms(score, batch: TensorDict, s: GRPOSettings, totals: LossTotals | N
     mask = loss_mask(batch)
     totals = totals or LossTotals.of(batch)
     n_tokens = totals.tokens
-    # The ratio is taken against the sampler's log-probs or, with truncated IS, against the trainer's
-    # own at the start of the step; each token is then weighted by min(pi_trainer_old / pi_sampler, cap),
-    # which corrects engine mismatch and staleness.
-    old, is_weight = sampler, None
-    if s.inference_is_cap is not None:
-        old = batch["trainer_log_probs"]
-        is_weight = torch.where(mask, old - sampler, 0.0).exp().clamp(max=s.inference_is_cap)
+    # The ratio is taken against the sampler's log-probs or, with importance sampling, against the trainer's own
+    # before the step's first update, each token's gain then weighted by its importance weight (importance.py)
+    importance = s.importance_sampling != "none"
+    old = batch["trainer_log_probs"] if importance else sampler
     log_ratio = torch.where(mask, cur - old, 0.0)
-    advantage = batch["advantage"].to(cur.dtype)
-    if s.loss_variant == "gspo":  # one ratio per reply, the geometric mean of its tokens' ratios, clipped per reply
-        replies = mask.any(-1)
-        seq_ratio = log_ratio.sum(-1) / mask.sum(-1).clamp_min(1)
-        gain, seq_clipped = clipped_gain(seq_ratio, advantage, s)
-        objective = -(gain * replies).sum() / totals.replies
-        clipped_share = ((seq_clipped != seq_ratio) & replies).sum() / totals.replies
+    advantage = batch["advantage"].to(cur.dtype).unsqueeze(-1)
+    if s.loss_variant == "gspo":
+        # one ratio per reply, the geometric mean of its tokens', clipped per reply; each token carries it as value,
+        # with its own share of its gradient, so that a token's weight acts on that token alone
+        seq = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp_min(1)
+        gain, clipped = clipped_gain(seq.detach() + (log_ratio - log_ratio.detach()), advantage, s)
+        clipped_share = ((clipped != seq) & mask).any(-1).sum() / totals.replies
     else:
-        gain, clipped = clipped_gain(log_ratio, advantage.unsqueeze(-1), s)
-        if is_weight is not None:
-            gain = gain * is_weight
-        if s.loss_variant == "dr_grpo":  # no length normalisation: every token counts the same in any reply
-            objective = -(gain * mask).sum() / (totals.rows * s.max_new_tokens)
-        else:
-            objective = aggregate(-gain, mask, s.aggregation, totals)
+        gain, clipped = clipped_gain(log_ratio, advantage, s)
         clipped_share = ((clipped != log_ratio) & mask).sum() / n_tokens
+    if importance:
+        gain = gain * batch["is_weight"]
+    if s.loss_variant == "gspo":
+        objective = -((gain * mask).sum(-1) / mask.sum(-1).clamp_min(1)).sum() / totals.replies
+    elif s.loss_variant == "dr_grpo":  # no length normalisation: every token counts the same in any reply
+        objective = -(gain * mask).sum() / (totals.rows * s.max_new_tokens)
+    else:
+        objective = aggregate(-gain, mask, s.aggregation, totals)
     terms = {"objective": objective, "entropy": aggregate(entropy, mask, s.aggregation, totals),
              "kl_to_inference": k3(sampler, cur, mask).sum() / n_tokens}
     if "ref_log_probs" in batch.keys() and not s.kl_to_ref_in_reward:
@@ -284,9 +292,8 @@ def grpo_terms(score, batch: TensorDict, s: GRPOSettings, totals: LossTotals | N
         # not a sum: the micro-batch's own effective sample size, weighted by its share of the tokens
         terms["ess"] = (2 * lw.logsumexp(0) - (2 * lw).logsumexp(0)).exp() / n_tokens
         terms["kl_approx"] = -log_ratio.sum() / n_tokens
-        if is_weight is not None:
-            terms["is_weight_mean"] = (is_weight * mask).sum() / n_tokens
-            terms["is_truncated_fraction"] = ((is_weight >= s.inference_is_cap) & mask).sum() / n_tokens
+        gap = torch.where(mask, cur - sampler, 0.0).abs().flatten()
+        terms["max_abs_logprob_gap"] = torch.nn.functional.pad(gap, (0, 1)).max()  # not a sum: optimize takes the max
     return terms
 
 
@@ -304,7 +311,7 @@ def weighted_loss(terms: dict, s: GRPOSettings) -> torch.Tensor:
 
 def logged_terms(terms: dict, s: GRPOSettings) -> dict:
     """The terms as the metrics file names them."""
-    out = {name: value.detach() for name, value in terms.items() if name not in ("objective", "kl_to_ref")}
+    out = {name: value.detach() for name, value in terms.items() if name not in ("objective", "kl_to_ref", "max_abs_logprob_gap")}
     out["loss_objective"] = terms["objective"].detach()
     if "kl_to_ref" in terms:
         out["loss_kl_to_ref"] = s.kl_to_ref_coeff * terms["kl_to_ref"].detach()
@@ -328,23 +335,3 @@ def per_sample_kl_to_ref(batch: TensorDict) -> torch.Tensor:
     """Per reply, the mean over its tokens of the k3 estimate of KL(sampler || reference)."""
     mask = batch["reply_mask"]
     return k3(batch["ref_log_probs"], batch["behaviour_log_probs"], mask).sum(-1) / mask.sum(-1).clamp_min(1)
-
-
-def autocast_if(enabled: bool, model):
-    """bf16 autocast for float32 weights on a GPU. Weights already in bf16 gain nothing from it but
-    a dispatch per op: about 10% of the training time of a 0.5B model, measured on an H200."""
-    param = next(model.parameters())
-    if enabled and param.device.type == "cuda" and param.dtype == torch.float32:
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def train_mode_if(model, enabled: bool):
-    """Train mode for the duration, when gradient checkpointing needs it (HF checkpoints only in
-    train mode); the model is otherwise kept in eval mode, where ``generate`` keeps its KV cache."""
-    model.train(enabled)
-    try:
-        yield
-    finally:
-        model.eval()
