@@ -317,8 +317,7 @@ class VLLMInference(EnginePolicies):
             self.push_weights(policy_model, version=0)
 
     def sample(self, prompts: list[torch.Tensor], max_new_tokens: int, *, greedy: bool, batch_rows: int):
-        """Each prompt's reply (token ids, through its stop token) and the sampled tokens' log-probs, CPU. vLLM
-        schedules any number of rows: ``batch_rows`` (the rows of the turn's episode batch) is not needed."""
+        """Each prompt's reply (token ids, through its stop token) and its log-probs, CPU; any number of rows."""
         params = self.sampling_params[greedy].clone()
         params.max_tokens = max_new_tokens
         start = time.perf_counter()
