@@ -29,3 +29,15 @@ def test_every_module_imports_alone_first():
     proc = subprocess.run([sys.executable, "-c", code, *names], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(names) > 30 and "grpo.training.step" in names
+
+
+# docs are references, not lab notebooks (issue 69): history stays in git
+DOC_LIMITS = {"README.md": 12_000, "benchmarks/README.md": 40_000}
+DOCS_PAGE_LIMIT = 20_000
+
+
+def test_docs_stay_within_their_sizes():
+    limits = {**DOC_LIMITS, **{str(p.relative_to(REPO)): DOCS_PAGE_LIMIT for p in sorted((REPO / "docs").glob("*.md"))}}
+    over = [f"{name} is {size:,} bytes (limit {limit:,})" for name, limit in limits.items()
+            if (size := (REPO / name).stat().st_size) > limit]
+    assert not over, "; ".join(over)
