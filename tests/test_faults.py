@@ -467,15 +467,6 @@ def test_a_reward_call_past_the_timeout_names_the_function_and_its_rows(tmp_path
     assert time.monotonic() - started < 5
 
 
-def test_a_reward_functions_error_still_reaches_the_run_with_its_note(tmp_path):
-    (tmp_path / "broken.py").write_text("def score(reply):\n    return {}['missing']\n")
-    function = load_reward_function(f"{tmp_path / 'broken.py'}:score", 0)
-    with pytest.raises(KeyError) as raised:
-        function([{"reply": "a"}], [4], "split 'train'", timeout_s=10)
-    assert raised.value.__notes__ == [f"raised by reward function reward.functions[0]='{tmp_path}/broken.py:score' "
-                                      "on row 4"]
-
-
 def test_reward_functions_and_engine_time_are_logged_as_parts_of_generation_s(script, tmp_path):  # noqa: F811
     """A slow function (1 s a call) showed up only as generation_s. The engine's generate calls are another part
     (generation_engine_s); what is left of generation_s is TorchRL's wrapper and the env."""

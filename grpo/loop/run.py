@@ -309,7 +309,7 @@ def guard(run: Run, source):
             run.checkpoint_if_due(source.state, force=True, rng=rng)
         ended = f"stopped after step {run.step} ({stop})"
         raise SystemExit(stop.exit_code)
-    except Exception as err:
+    except BaseException as err:  # a SystemExit or KeyboardInterrupt from a library too: the finished steps are kept
         raise_if_interrupted_twice()  # no emergency checkpoint: the user asked to stop now
         failed = f"step {run.step} failed ({type(err).__name__})"
         saved = records.last_checkpoint[0] if records.last_checkpoint else None
