@@ -1,10 +1,19 @@
 """No finished step is lost, whatever stops the run (issue 64): user code that raises or exits, a disk that
 fills mid-run, a run dir deleted under the run, a damaged metrics line, a collapsing policy."""
 
+import errno
+import os
+import re
+import shutil
+import subprocess
+
 import pytest
 
 from conftest import compose
-from grpo.process.errors import ConfigError, UserCodeError, clear_errors
+from grpo.loop import disk_room
+from grpo.loop.disk_room import HeldRoom
+from grpo.loop.records import RunRecords
+from grpo.process.errors import ConfigError, RunDirError, UserCodeError, clear_errors
 from grpo.tasks.tool_env import make_turn_env
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training.checkpoint import list_checkpoints
@@ -70,3 +79,74 @@ def test_what_leaves_a_users_turn_env_names_the_class_and_method(tmp_path):
     assert env.max_turns == 2 and env.answers(None)
     with pytest.raises(UserCodeError, match=r"^env.turn_env='.*env.py:Env': its respond\(\) called sys.exit\(0\)"):
         env.respond([])
+
+
+# ------------------------------------------------------------------------------------------- a disk that fills
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk("16k")``: a tmpfs of that size (real ENOSPC), where mounting one is allowed (root)."""
+    mounted = []
+
+    def mount(size: str):
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode:
+            pytest.skip("mounting a tmpfs needs root")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill(disk, leave: int) -> None:
+    """Take all of ``disk``'s free space but ``leave`` bytes, as another job's files would."""
+    with open(disk / "filler", "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(disk).free - leave)
+
+
+def test_a_disk_that_fills_mid_run_still_takes_the_checkpoint_due(script, small_disk, monkeypatch, capsys):  # noqa: F811
+    """1 MiB left after step 2 failed the checkpoint of step 4 ("this run has no checkpoint"): steps 1-4 lost."""
+    disk = small_disk("40m")
+    log_step = RunRecords.log_step
+
+    def then_full(self, step, metrics, t0):
+        log_step(self, step, metrics, t0)
+        if step == 2:
+            fill(disk, leave=64 * 2**10)
+
+    monkeypatch.setattr(RunRecords, "log_step", then_full)
+    run_dir = disk / "run"
+    with pytest.raises(RunDirError, match=rf"^{re.escape(str(run_dir))}'s disk is full \([\d.]+ MiB free\): no room for "
+                                          rf"the next checkpoint \(9.5 MiB\); the run stops on its last, {run_dir}/"
+                                          r"checkpoints/step_00000004.json. Free [\d.]+ MiB there .*, then "
+                                          rf"resume={run_dir} continues from it.$"):
+        train(script, run_dir, "train.total_steps=6", "train.checkpoint_frequency=4")
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000004.json"]
+    assert not (run_dir / disk_room.ROOM_FILE).exists()  # a run that ended holds no room
+
+
+@pytest.mark.parametrize("size", ["16k", "4k"])
+def test_a_run_dir_without_room_for_its_first_files_is_refused_in_one_line(script, small_disk, size):  # noqa: F811
+    """It was an OSError traceback from write_hydra_record."""
+    with pytest.raises(RunDirError, match=r"^hydra.run.dir=.* cannot be written \(No space left on device\); free "
+                                          r"space on its disk .*, then run again.$"):
+        train(script, small_disk(size) / "run", "train.total_steps=1")
+
+
+def test_the_room_held_is_let_go_for_a_checkpoint_and_taken_back(tmp_path, monkeypatch):
+    room = HeldRoom(tmp_path, 2**20)
+    assert os.stat(room.path).st_blocks * 512 >= 2**20  # allocated, not a sparse file
+    room.release()
+    assert not room.path.exists()
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_room.os, "posix_fallocate", full)
+    assert not room.take() and not room.held and not room.path.exists()
+    with pytest.raises(RunDirError, match=r"has no room for this run's next checkpoint \(1.0 MiB\); free space"):
+        HeldRoom(tmp_path, 2**20)

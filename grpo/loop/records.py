@@ -11,8 +11,10 @@ import torch
 from tqdm import tqdm
 
 from grpo.export import export_model
+from grpo.loop.disk_room import HeldRoom
 from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.process.errors import RunDirError
 from grpo.training import checkpoint as ckpt
 
 
@@ -29,13 +31,14 @@ def graphs_compiled() -> int:
 
 class RunRecords:
     """``last_checkpoint``: (step, path) of the newest checkpoint this run can continue from; ``gpu_ids``: the
-    GPUs this process computes on, whose peak memory each step reports."""
+    GPUs this process computes on, whose peak memory each step reports; ``room``: the disk space its next
+    checkpoint is sure of (None: it writes none)."""
 
     def __init__(self, cfg, run_dir: Path, resolved_config: dict, logger: RunLogger,
-                 last_checkpoint: tuple[int, Path] | None, gpu_ids: list[int]):
+                 last_checkpoint: tuple[int, Path] | None, gpu_ids: list[int], room: HeldRoom | None = None):
         self.run_dir, self.resolved_config, self.logger, self.gpu_ids = run_dir, resolved_config, logger, gpu_ids
         self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
-        self.last_checkpoint = last_checkpoint
+        self.last_checkpoint, self.room = last_checkpoint, room
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
         self.graphs_before = 0  # graphs_compiled() when the step started
@@ -59,13 +62,29 @@ class RunRecords:
         self.postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}
 
     def save_checkpoint(self, step: int, trainer, counters: dict, extras: dict, rng: dict | None = None) -> None:
-        """``rng``: RNG states to store instead of the current ones."""
-        path = ckpt.save_checkpoint(
-            str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
-            resolved_config=self.resolved_config,
-            extra={"wandb_run_id": self.logger.wandb_run_id, **extras}, keep_last=self.keep_last, rng=rng)
+        """``rng``: RNG states to store instead of the current ones. It writes into the room held for it, and
+        takes the room back for the next one after (``check_room`` says whether it could)."""
+        then = f"resume={self.run_dir}" if self.last_checkpoint else "run again (this run has no checkpoint)"
+        self.room.release()
+        try:
+            path = ckpt.save_checkpoint(
+                str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
+                resolved_config=self.resolved_config, extra={"wandb_run_id": self.logger.wandb_run_id, **extras},
+                keep_last=self.keep_last, rng=rng, then=then)
+        finally:
+            self.room.take()
         self.last_checkpoint = (step, path)
         tqdm.write(f"step {step}: checkpoint {path}")
+
+    def check_room(self) -> None:
+        """Stop on the checkpoint just written when the disk has no room left for the next one: the run would
+        otherwise train on towards a checkpoint it cannot write."""
+        if not self.room.held:
+            free = ckpt.shutil.disk_usage(self.run_dir).free
+            raise RunDirError(f"{self.run_dir}'s disk is full ({ckpt.size_text(free)} free): no room for the next "
+                              f"checkpoint ({ckpt.size_text(self.room.size)}); the run stops on its last, "
+                              f"{self.last_checkpoint[1]}. Free {ckpt.size_text(self.room.size - free)} there (older "
+                              f"run dirs, logging.keep_last=1), then resume={self.run_dir} continues from it.")
 
     def last_checkpoint_note(self) -> str:
         return checkpoint_note(self.last_checkpoint, self.run_dir)
