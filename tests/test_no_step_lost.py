@@ -12,6 +12,7 @@ import pytest
 from conftest import compose
 from grpo.loop import disk_room
 from grpo.loop.disk_room import HeldRoom
+from grpo.loop.logger import RunLogger, read_metrics
 from grpo.loop.records import RunRecords
 from grpo.process.errors import ConfigError, RunDirError, UserCodeError, clear_errors
 from grpo.tasks.tool_env import make_turn_env
@@ -150,3 +151,43 @@ def test_the_room_held_is_let_go_for_a_checkpoint_and_taken_back(tmp_path, monke
     assert not room.take() and not room.held and not room.path.exists()
     with pytest.raises(RunDirError, match=r"has no room for this run's next checkpoint \(1.0 MiB\); free space"):
         HeldRoom(tmp_path, 2**20)
+
+
+# ------------------------------------------------------------------------------- a run dir deleted or moved
+
+@pytest.mark.parametrize("how", ["deleted", "moved"])
+def test_a_run_dir_gone_from_its_place_has_its_rows_written_there_again(tmp_path, how):
+    run_dir = tmp_path / "run"
+    logger = RunLogger(run_dir, compose("grpo_tiny", ["logger=none"]), {})
+    logger.log({"step": 1, "reward": 0.5})
+    logger.log_eval_scores(1, [1.0, 0.0])
+    shutil.rmtree(run_dir) if how == "deleted" else run_dir.rename(tmp_path / "elsewhere")
+    with pytest.raises(RunDirError, match=rf"^{re.escape(str(run_dir))} was deleted or moved while the run went on: "
+                                          r"its metrics are written there again, with a checkpoint of its last "
+                                          rf"finished step, and the run stops; resume={re.escape(str(run_dir))} "
+                                          r"continues it.$"):
+        logger.log({"step": 2, "reward": 0.25})
+    logger.close()
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+    assert (run_dir / "eval_scores.jsonl").read_text() == '{"step": 1, "scores": [1.0, 0.0]}\n'
+
+
+def test_a_run_dir_deleted_mid_run_stops_it_with_its_state_written_back_and_resume_takes_it(script, tmp_path,  # noqa: F811
+                                                                                          monkeypatch):
+    """Deleted after step 2 of 4: no word until a 30-line FileNotFoundError at the end, and resume= refused."""
+    run_dir = tmp_path / "run"
+    log_step = RunRecords.log_step
+
+    def then_deleted(self, step, metrics, t0):
+        log_step(self, step, metrics, t0)
+        if step == 2:
+            shutil.rmtree(run_dir)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunRecords, "log_step", then_deleted)
+        with pytest.raises(RunDirError, match="was deleted or moved while the run went on"):
+            train(script, run_dir, "train.total_steps=4")
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000003.json"]
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row] == [1, 2, 3]
+    train(script, run_dir, "train.total_steps=4", f"resume={run_dir}")
+    assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row] == [1, 2, 3, 4]

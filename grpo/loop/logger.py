@@ -2,7 +2,8 @@
 to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), wandb, and plots.
 
 Each row is written and flushed as soon as it is logged, so a killed run keeps every
-row up to its last step. wandb runs offline when no API key is configured;
+row up to its last step. Each write first checks that the run dir is still where it was: one deleted or moved
+under the run gets its files written back in place, and the run stops (``RunDirError``). wandb runs offline when no API key is configured;
 ``logger=none`` turns it off.
 """
 
@@ -38,7 +39,7 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "a+", buffering=1)  # a+: readable, for putting it back (_put_back)
         self._samples_file = None  # opened at the first samples: a run that logs none gets no file
         self._eval_scores_file = None  # likewise, at the first eval
         self._samples_table = None
@@ -94,15 +95,49 @@ class RunLogger:
         """The run dir's file ``name``, line-buffered for appending (each row reaches the disk as it is written)."""
         path = self.run_dir / name
         try:
-            return open(path, "a", buffering=1)
+            return open(path, "a+", buffering=1)
         except OSError as err:
             raise self._failure(path, err) from err
 
     def _write(self, file, text: str) -> None:
         try:
+            moved = self._moved()
+            if moved:
+                file = self._put_back()[file]
             file.write(text)
         except OSError as err:  # a full disk mid-run: one line, not a traceback from the middle of a step
             raise self._failure(Path(file.name), err) from err
+        if moved:
+            self.failed = True
+            raise RunDirError(f"{self.run_dir} was {moved} while the run went on: its metrics are written there again, "
+                              f"with a checkpoint of its last finished step, and the run stops; resume={self.run_dir} "
+                              "continues it.")
+
+    def _moved(self) -> str | None:
+        """How the run dir left its place (deleted, moved), judged by metrics.jsonl: is the file at its path still
+        the one this logger writes?"""
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return "deleted or moved"
+        here = os.fstat(self._file.fileno())
+        return None if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino) else "replaced"
+
+    def _put_back(self) -> dict:
+        """Each open file's rows written again at its path (from the file still open: a deleted file stays
+        readable until closed), and written there from now on; returns the new file of each old one."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        new = {}
+        for name in ("_file", "_samples_file", "_eval_scores_file"):
+            old = getattr(self, name)
+            if old is not None:
+                old.seek(0)
+                rows = old.read()
+                old.close()
+                new[old] = open(old.name, "w+", buffering=1)
+                new[old].write(rows)
+                setattr(self, name, new[old])
+        return new
 
     def _failure(self, path: Path, err: OSError) -> RunDirError:
         self.failed = True

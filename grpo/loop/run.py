@@ -300,7 +300,7 @@ def guard(run: Run, source):
     except BaseException as err:  # a SystemExit or KeyboardInterrupt from a library too: the finished steps are kept
         raise_if_interrupted_twice()  # no emergency checkpoint: the user asked to stop now
         failed = f"step {run.step} failed ({type(err).__name__})"
-        saved = records.last_checkpoint[0] if records.last_checkpoint else None
+        saved = records.last_checkpoint[0] if records.last_checkpoint and records.last_checkpoint[1].exists() else None
         last = records.last_checkpoint_note()
         if trainer.half_updated:
             note = f"{failed} inside the optimiser update: no emergency checkpoint of half-updated weights; {last}"
