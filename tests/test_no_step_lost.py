@@ -12,7 +12,8 @@ import pytest
 from conftest import compose
 from grpo.loop import disk_room
 from grpo.loop.disk_room import HeldRoom
-from grpo.loop.logger import RunLogger, read_metrics
+from grpo.loop.logger import RunLogger, plot_metrics, read_metrics
+from grpo.loop.resume import truncate_metrics
 from grpo.loop.records import RunRecords
 from grpo.process.errors import ConfigError, RunDirError, UserCodeError, clear_errors
 from grpo.tasks.tool_env import make_turn_env
@@ -191,3 +192,20 @@ def test_a_run_dir_deleted_mid_run_stops_it_with_its_state_written_back_and_resu
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row] == [1, 2, 3]
     train(script, run_dir, "train.total_steps=4", f"resume={run_dir}")
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row] == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------------------------- a damaged metrics line
+
+def test_a_damaged_metrics_line_is_skipped_naming_the_file_and_line(tmp_path):
+    """A damaged middle line stopped resume and the plot with a bare JSONDecodeError naming neither."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew\x00\n\n[3]\n{"step": 3}\n{"step": 4, "tor')
+    with pytest.warns(UserWarning) as said:
+        rows = read_metrics(path)
+    assert rows == [{"step": 1}, {"step": 3}]
+    assert [str(w.message) for w in said] == [  # the torn last line (a killed run) goes without a word
+        f"{path}, line 2: not a JSON row (Invalid control character at: line 1 column 17 (char 16)); skipped",
+        f"{path}, line 4: not a JSON row (a list, not an object); skipped"]
+    truncate_metrics(path, 3)  # what resume does to it
+    assert read_metrics(path) == [{"step": 1}, {"step": 3}]
+    plot_metrics(path, tmp_path / "metrics.png")

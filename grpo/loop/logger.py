@@ -85,11 +85,8 @@ class RunLogger:
     def first_eval_scores(self) -> tuple[int, list[float]] | None:
         """The step and per-problem scores of this run dir's first eval (a resumed run's included), if any."""
         path = self.run_dir / "eval_scores.jsonl"
-        if not path.exists():
-            return None
-        with open(path) as file:
-            first = json.loads(file.readline() or "null")  # a resumed run's file was cut to whole rows
-        return (first["step"], first["scores"]) if first else None
+        rows = read_metrics(path) if path.exists() else []
+        return (rows[0]["step"], rows[0]["scores"]) if rows else None
 
     def _open_for_append(self, name: str):
         """The run dir's file ``name``, line-buffered for appending (each row reaches the disk as it is written)."""
@@ -256,15 +253,25 @@ def profile_to(run_dir: Path, step: int):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Every row; a torn last line (the run was killed while writing it) is dropped."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    """Every row of a JSON-lines file of the run dir; a torn last line (the run was killed while writing it) is
+    dropped, and a damaged one elsewhere skipped with a warning naming the file and the line (it stopped
+    resume and the plot with a bare ``JSONDecodeError: line 1 column 603``)."""
+    lines = Path(path).read_text(errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows = []
     for i, line in enumerate(lines):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:  # only the last line can be torn; anything else is a damaged file
-                raise
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a {type(row).__name__}, not an object")
+        except ValueError as err:  # JSONDecodeError among them
+            if i < last:
+                warnings.warn(f"{path}, line {i + 1}: not a JSON row ({err}); skipped",
+                              stacklevel=2)
+            continue
+        rows.append(row)
     return rows
 
 
