@@ -191,9 +191,11 @@ def test_a_run_whose_disk_holds_fewer_checkpoints_than_it_keeps_stops_before_tra
     free = 20 * 2**20  # the tiny model's checkpoint (weights and AdamW) is 7.5 MiB: room for two
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: Usage(10**10, 10**10 - free, free))
     with pytest.raises(CheckpointError, match=r"this run's checkpoints \(weights and AdamW, 3 on disk at once with "
-                                              r"logging.keep_last=3\): 22.6 MiB needed and .* has 20.0 MiB free"):
+                                              r"logging.keep_last=3, and the weights twice for logging.keep_best\): "
+                                              r"27.7 MiB needed and .* has 20.0 MiB free"):
         train(script, tmp_path / "three", "train.total_steps=6", "train.checkpoint_frequency=2", "logging.keep_last=3")
-    train(script, tmp_path / "one", "train.total_steps=2", "train.checkpoint_frequency=1", "logging.keep_last=1")
+    train(script, tmp_path / "one", "train.total_steps=2", "train.checkpoint_frequency=1", "logging.keep_last=1",
+          "logging.keep_best=false")
 
 
 def test_a_periodic_checkpoint_that_finds_no_room_ends_the_run_keeping_the_last_one(script, tmp_path,  # noqa: F811

@@ -11,14 +11,15 @@ import pytest
 
 from conftest import compose
 from grpo.loop import disk_room
+from grpo.loop.best import BestCheckpoint
 from grpo.loop.disk_room import HeldRoom
 from grpo.loop.logger import RunLogger, plot_metrics, read_metrics
 from grpo.loop.resume import truncate_metrics
 from grpo.loop.records import RunRecords
-from grpo.process.errors import ConfigError, RunDirError, UserCodeError, clear_errors
+from grpo.process.errors import ConfigError, ResumeError, RunDirError, UserCodeError, clear_errors
 from grpo.tasks.tool_env import make_turn_env
 from grpo.tasks.user_rewards import load_reward_function
-from grpo.training.checkpoint import list_checkpoints
+from grpo.training.checkpoint import list_checkpoints, load_checkpoint
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture
 
 EXITS_AT_STEP_3 = """import sys
@@ -192,6 +193,10 @@ def test_a_run_dir_deleted_mid_run_stops_it_with_its_state_written_back_and_resu
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row] == [1, 2, 3]
     train(script, run_dir, "train.total_steps=4", f"resume={run_dir}")
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl") if "reward" in row] == [1, 2, 3, 4]
+    # fewer steps than done, constant schedule: it ended "run finished", rc 0, having trained nothing
+    with pytest.raises(ResumeError, match=r"step_00000004.json is at step 4, past train.total_steps=3: nothing is "
+                                          r"left to train; pass train.total_steps above 4 \(or 0 to evaluate it\).$"):
+        train(script, run_dir, "train.total_steps=3", f"resume={run_dir}")
 
 
 # ------------------------------------------------------------------------------------- a damaged metrics line
@@ -209,3 +214,44 @@ def test_a_damaged_metrics_line_is_skipped_naming_the_file_and_line(tmp_path):
     truncate_metrics(path, 3)  # what resume does to it
     assert read_metrics(path) == [{"step": 1}, {"step": 3}]
     plot_metrics(path, tmp_path / "metrics.png")
+
+
+# ------------------------------------------------------------------------------ the best checkpoint, a collapse
+
+def test_a_collapsing_run_warns_at_each_eval_and_keeps_its_best_weights_apart(script, tmp_path, capsys):  # noqa: F811
+    """lr=1.0 with train.on_nonfinite=skip: accuracy fell, rc 0, "run finished", no good checkpoint kept (keep_last
+    pruned them), skipped steps never printed."""
+    run_dir = tmp_path / "run"
+    train(script, run_dir, "optimizer.lr=1.0", "train.on_nonfinite=skip", "train.total_steps=3", "eval.frequency=3",
+          "train.checkpoint_frequency=1", "logging.keep_last=1")
+    out = capsys.readouterr().out
+    best = run_dir / "checkpoints" / "best" / "step_00000000.json"
+    assert "step 1: 3 of 4 optimiser steps skipped (a non-finite gradient, train.on_nonfinite=skip)" in out
+    assert (f"step 3: warning: held-out accuracy 0.000 is far below its best, 0.500 at step 0: the policy may have "
+            f"collapsed (a lower optimizer.lr?); the best checkpoint is {best}") in out
+    assert f"  best           {best} (accuracy 0.500; python -m grpo.export {best} <out> exports it)" in out
+    assert "  skipped        3 optimiser steps (non-finite gradients, train.on_nonfinite=skip)" in out
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000003.json"]
+    assert load_checkpoint(best)["model"].keys() == load_checkpoint(list_checkpoints(run_dir / "checkpoints")[0])[
+        "model"].keys()
+
+
+def test_an_eval_far_below_the_best_warns_naming_the_best_checkpoint(tmp_path, capsys):
+    cfg = compose("grpo_tiny", [])
+    best = BestCheckpoint(cfg, tmp_path, [{"step": 0, "eval/accuracy": 0.25}, {"step": 10, "eval/accuracy": 0.438}])
+    saved = []
+    BestCheckpoint(cfg, tmp_path, [{"step": 0, "eval/accuracy": 0.15}]).after_eval(10, 0.07, saved.append)
+    assert capsys.readouterr().out == "" and saved == []  # under half, but not 10 points below: a small eval's noise
+    best.after_eval(30, 0.0, saved.append)
+    assert capsys.readouterr().out == ("step 30: warning: held-out accuracy 0.000 is far below its best, 0.438 at step "
+                                       "10: the policy may have collapsed (a lower optimizer.lr?)\n")
+    best.after_eval(40, 0.5, lambda folder: saved.append(folder) or folder / "step_00000040.json")
+    assert saved == [tmp_path / "checkpoints" / "best"] and best.best == (40, 0.5)
+    assert best.summary_line().startswith(f"{tmp_path}/checkpoints/best/step_00000040.json (accuracy 0.500; ")
+    for step in (41, 42, 43):  # every optimiser step of 3 steps in a row skipped: nothing is learnt
+        best.count_skips({"step": step, "optim_steps": 0, "skipped_optim_steps": 4})
+    best.after_eval(43, 0.5, saved.append)
+    assert capsys.readouterr().out == (
+        "step 43: warning: the last 3 steps skipped every optimiser step (non-finite gradients, train.on_nonfinite="
+        f"skip): nothing is learnt; lower optimizer.lr; the best checkpoint is {tmp_path}/checkpoints/best/"
+        "step_00000040.json\n")

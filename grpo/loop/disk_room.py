@@ -35,12 +35,15 @@ def checkpoint_bytes(trainable_bytes: int) -> int:
 
 
 def check_room_at_start(cfg, run_dir: Path, start_step: int, trainable_bytes: int) -> None:
-    """A disk that cannot hold the run's checkpoints (those it keeps, and the one being written) is refused now."""
+    """A disk that cannot hold the run's checkpoints (those it keeps, and the one being written) and its best
+    weights (``logging.keep_best``: kept, and the next best being written) is refused now."""
     written = len(ckpt.list_checkpoints(run_dir / cfg.logging.checkpoint_dir))
     at_once = checkpoints_at_once(cfg, start_step, written)
-    ckpt.check_free_space(run_dir, (at_once - written) * 3 * trainable_bytes,
+    best = 2 if cfg.logging.keep_best else 0  # the best weights kept, and the next best being written
+    ckpt.check_free_space(run_dir, ((at_once - written) * 3 + best) * trainable_bytes,
                           f"this run's checkpoints (weights and AdamW, {at_once} on disk at once with "
-                          f"logging.keep_last={cfg.logging.keep_last})",
+                          f"logging.keep_last={cfg.logging.keep_last}"
+                          f"{', and the weights twice for logging.keep_best' if best else ''})",
                           "run again (or point hydra.run.dir at a larger disk)")
 
 

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from grpo.export import export_model
+from grpo.loop.best import BestCheckpoint
 from grpo.loop.disk_room import HeldRoom
 from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
@@ -39,6 +40,7 @@ class RunRecords:
         self.run_dir, self.resolved_config, self.logger, self.gpu_ids = run_dir, resolved_config, logger, gpu_ids
         self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
         self.last_checkpoint, self.room = last_checkpoint, room
+        self.best = BestCheckpoint(cfg, run_dir, read_metrics(logger.path))
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
         self.graphs_before = 0  # graphs_compiled() when the step started
@@ -59,22 +61,41 @@ class RunRecords:
             for i in self.gpu_ids:
                 torch.cuda.reset_peak_memory_stats(i)
         self.logger.log({"step": step, **metrics})
+        self.best.count_skips(metrics)
+        if metrics.get("skipped_optim_steps"):
+            skipped = metrics["skipped_optim_steps"]
+            tqdm.write(f"step {step}: {skipped} of {skipped + metrics['optim_steps']} optimiser steps "
+                       "skipped (a non-finite gradient, train.on_nonfinite=skip)")
         self.postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}
 
     def save_checkpoint(self, step: int, trainer, counters: dict, extras: dict, rng: dict | None = None) -> None:
-        """``rng``: RNG states to store instead of the current ones. It writes into the room held for it, and
-        takes the room back for the next one after (``check_room`` says whether it could)."""
+        """``rng``: RNG states to store instead of the current ones."""
+        path = self._write(self.checkpoint_dir, step, trainer.checkpoint_state(), counters,
+                           {"wandb_run_id": self.logger.wandb_run_id, **extras}, self.keep_last, rng)
+        self.last_checkpoint = (step, path)
+        tqdm.write(f"step {step}: checkpoint {path}")
+
+    def after_eval(self, step: int, accuracy: float, trainer, counters: dict) -> None:
+        """A collapse warns; a new best held-out accuracy keeps this step's weights (``logging.keep_best``)."""
+        def save(folder: Path) -> Path:  # the weights alone (what an export reads): a third of a checkpoint
+            state = {"model": trainer.checkpoint_state()["model"], "optimizer": {}, "scheduler": {}}
+            path = self._write(folder, step, state, counters, {}, 1, None)
+            tqdm.write(f"step {step}: best held-out accuracy so far ({accuracy:.3f}): {path}")
+            return path
+
+        self.best.after_eval(step, accuracy, save)
+
+    def _write(self, folder: Path, step: int, state: dict, counters: dict, extras: dict, keep_last, rng) -> Path:
+        """A checkpoint written into the room held for it; the room is taken back for the next one after
+        (``check_room`` says whether it could)."""
         then = f"resume={self.run_dir}" if self.last_checkpoint else "run again (this run has no checkpoint)"
         self.room.release()
         try:
-            path = ckpt.save_checkpoint(
-                str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
-                resolved_config=self.resolved_config, extra={"wandb_run_id": self.logger.wandb_run_id, **extras},
-                keep_last=self.keep_last, rng=rng, then=then)
+            return ckpt.save_checkpoint(str(folder), step, state=state, counters=counters,
+                                        resolved_config=self.resolved_config, extra=extras, keep_last=keep_last,
+                                        rng=rng, then=then)
         finally:
             self.room.take()
-        self.last_checkpoint = (step, path)
-        tqdm.write(f"step {step}: checkpoint {path}")
 
     def check_room(self) -> None:
         """Stop on the checkpoint just written when the disk has no room left for the next one: the run would
@@ -100,7 +121,8 @@ class RunRecords:
     def summary(self, ended: str) -> str:
         """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""
         run_dir = self.run_dir
-        rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in row]
+        every_row = read_metrics(run_dir / "metrics.jsonl")
+        rows = [row for row in every_row if "eval/accuracy" in row]
         evals = [(row["step"], row["eval/accuracy"]) for row in rows]
         if evals:
             marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
@@ -109,6 +131,7 @@ class RunRecords:
                 accuracy += f": {gain_text(rows[-1])}"
         else:
             accuracy = "no eval ran"
+        skipped = sum(row.get("skipped_optim_steps", 0) for row in every_row)
         plot = run_dir / "metrics.png"
         path = self.last_checkpoint[1] if self.last_checkpoint else None  # eval only: the one evaluated, if any
         checkpoint = f"{path} (resume={path.parent.parent} continues from it)" if path else "none"
@@ -119,5 +142,8 @@ class RunRecords:
             f"  eval accuracy  {accuracy}",
             f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
             f"  checkpoint     {checkpoint}",
+            f"  best           {self.best.summary_line()}",
             f"  export         {export}",
+            *([f"  skipped        {skipped} optimiser steps (non-finite gradients, train.on_nonfinite=skip)"]
+              if skipped else []),
         ])

@@ -79,7 +79,10 @@ class Run:
         return self.trainer.update(rollouts, self.step)
 
     def evaluate_if_due(self, force: bool = False) -> None:
-        self.evaluator.evaluate_if_due(self.step, self.trainer, self.records.logger, force=force)
+        """And after an eval, the best checkpoint and the collapse warning (``grpo.loop.best``)."""
+        result = self.evaluator.evaluate_if_due(self.step, self.trainer, self.records.logger, force=force)
+        if result and not self.eval_only:
+            self.records.after_eval(self.step, result["eval/accuracy"], self.trainer, self.counters())
 
     def checkpoint_if_due(self, extras: Callable[[], dict], force: bool = False, rng: dict | None = None) -> None:
         """``extras``: what the rollout source keeps in a checkpoint (its ``state``), asked only when one is due."""
@@ -87,9 +90,11 @@ class Run:
         if self.records.last_checkpoint and self.records.last_checkpoint[0] == self.step:
             return  # the end of a run whose last step was a periodic one wrote step N twice, needing room for both
         if force or (freq and self.step % freq == 0):
-            counters = {"step": self.step, "policy_version": self.trainer.policy_version,
-                        "last_eval_step": self.evaluator.last_eval_step}
-            self.records.save_checkpoint(self.step, self.trainer, counters, extras(), rng=rng)
+            self.records.save_checkpoint(self.step, self.trainer, self.counters(), extras(), rng=rng)
+
+    def counters(self) -> dict:
+        return {"step": self.step, "policy_version": self.trainer.policy_version,
+                "last_eval_step": self.evaluator.last_eval_step}
 
 
 def check_start(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu=None) -> DeviceAllocation:
