@@ -225,7 +225,7 @@ def test_a_collapsing_run_warns_at_each_eval_and_keeps_its_best_weights_apart(sc
     train(script, run_dir, "optimizer.lr=1.0", "train.on_nonfinite=skip", "train.total_steps=3", "eval.frequency=3",
           "train.checkpoint_frequency=1", "logging.keep_last=1")
     out = capsys.readouterr().out
-    best = run_dir / "checkpoints" / "best" / "step_00000000.json"
+    best = run_dir / "best" / "step_00000000.json"
     assert "step 1: 3 of 4 optimiser steps skipped (a non-finite gradient, train.on_nonfinite=skip)" in out
     assert (f"step 3: warning: held-out accuracy 0.000 is far below its best, 0.500 at step 0: the policy may have "
             f"collapsed (a lower optimizer.lr?); the best checkpoint is {best}") in out
@@ -246,12 +246,12 @@ def test_an_eval_far_below_the_best_warns_naming_the_best_checkpoint(tmp_path, c
     assert capsys.readouterr().out == ("step 30: warning: held-out accuracy 0.000 is far below its best, 0.438 at step "
                                        "10: the policy may have collapsed (a lower optimizer.lr?)\n")
     best.after_eval(40, 0.5, lambda folder: saved.append(folder) or folder / "step_00000040.json")
-    assert saved == [tmp_path / "checkpoints" / "best"] and best.best == (40, 0.5)
-    assert best.summary_line().startswith(f"{tmp_path}/checkpoints/best/step_00000040.json (accuracy 0.500; ")
+    assert saved == [tmp_path / "best"] and best.best == (40, 0.5)
+    assert best.summary_line().startswith(f"{tmp_path}/best/step_00000040.json (accuracy 0.500; ")
     for step in (41, 42, 43):  # every optimiser step of 3 steps in a row skipped: nothing is learnt
         best.count_skips({"step": step, "optim_steps": 0, "skipped_optim_steps": 4})
     best.after_eval(43, 0.5, saved.append)
     assert capsys.readouterr().out == (
         "step 43: warning: the last 3 steps skipped every optimiser step (non-finite gradients, train.on_nonfinite="
-        f"skip): nothing is learnt; lower optimizer.lr; the best checkpoint is {tmp_path}/checkpoints/best/"
+        f"skip): nothing is learnt; lower optimizer.lr; the best checkpoint is {tmp_path}/best/"
         "step_00000040.json\n")

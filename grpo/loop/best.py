@@ -1,7 +1,7 @@
 """The run's best held-out checkpoint and its health at each eval.
 
 ``logging.keep_best``: the weights of the step with the best held-out accuracy so far are kept in
-``<checkpoint_dir>/best/``, apart from ``logging.keep_last``'s pruning, and named in the summary. A run whose
+``<run dir>/best/``, apart from ``logging.keep_last``'s pruning, and named in the summary. A run whose
 policy collapsed (lr=1.0 with ``train.on_nonfinite=skip``, or lr=0.05: held-out accuracy 0.438 -> 0.000) ended
 "run finished", its collapsed policy exported and every good checkpoint pruned. Now each eval far below the
 best, or after ``SKIPPED_IN_A_ROW`` steps whose every optimiser step was skipped as non-finite, is a warning line
@@ -23,7 +23,7 @@ class BestCheckpoint:
     """``rows``: the run dir's metrics rows so far (a resumed run's best and skips count)."""
 
     def __init__(self, cfg, run_dir: Path, rows: list[dict]):
-        self.keep, self.folder = cfg.logging.keep_best, run_dir / cfg.logging.checkpoint_dir / "best"
+        self.keep, self.folder = cfg.logging.keep_best, run_dir / "best"
         evals = [(row["step"], row["eval/accuracy"]) for row in rows if "eval/accuracy" in row]
         self.best: tuple[int, float] | None = max(evals, key=lambda e: e[1]) if evals else None
         self.path: Path | None = next(iter(sorted(self.folder.glob("step_*.json"))), None) if self.keep else None
@@ -50,9 +50,11 @@ class BestCheckpoint:
         if self.best is None or accuracy > self.best[1]:
             self.best = (step, accuracy)
             if self.keep:
-                self.path = save(self.folder)
+                try:
+                    self.path = save(self.folder)
+                except OSError as err:  # the run's own checkpoints matter more: it goes on without this one
+                    tqdm.write(f"step {step}: warning: its weights (the best held-out accuracy so far) were not kept "
+                               f"({err}); the best kept is {self.path or 'none'}")
 
     def summary_line(self) -> str:
-        if not self.path:
-            return "none" if self.keep else "none (logging.keep_best=false)"
         return f"{self.path} (accuracy {self.best[1]:.3f}; python -m grpo.export {self.path} <out> exports it)"

@@ -79,9 +79,7 @@ class RunRecords:
         """A collapse warns; a new best held-out accuracy keeps this step's weights (``logging.keep_best``)."""
         def save(folder: Path) -> Path:  # the weights alone (what an export reads): a third of a checkpoint
             state = {"model": trainer.checkpoint_state()["model"], "optimizer": {}, "scheduler": {}}
-            path = self._write(folder, step, state, counters, {}, 1, None)
-            tqdm.write(f"step {step}: best held-out accuracy so far ({accuracy:.3f}): {path}")
-            return path
+            return self._write(folder, step, state, counters, {}, 1, None)
 
         self.best.after_eval(step, accuracy, save)
 
@@ -142,7 +140,7 @@ class RunRecords:
             f"  eval accuracy  {accuracy}",
             f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
             f"  checkpoint     {checkpoint}",
-            f"  best           {self.best.summary_line()}",
+            *([f"  best           {self.best.summary_line()}"] if self.best.path else []),
             f"  export         {export}",
             *([f"  skipped        {skipped} optimiser steps (non-finite gradients, train.on_nonfinite=skip)"]
               if skipped else []),
