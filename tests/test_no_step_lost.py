@@ -3,13 +3,15 @@ fills mid-run, a run dir deleted under the run, a damaged metrics line, a collap
 
 import errno
 import os
+import pickle
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
-from conftest import compose
+from conftest import REPO, compose
 from grpo.loop import disk_room
 from grpo.loop.best import BestCheckpoint
 from grpo.loop.disk_room import HeldRoom
@@ -20,6 +22,7 @@ from grpo.process.errors import ConfigError, ResumeError, RunDirError, UserCodeE
 from grpo.tasks.tool_env import make_turn_env
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint
+from test_checkpoint import grpo_cmd, step_rows
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture
 
 EXITS_AT_STEP_3 = """import sys
@@ -45,6 +48,29 @@ def test_a_reward_that_exits_mid_run_ends_it_in_one_line_keeping_the_finished_st
         f"step 3 failed (UserCodeError); emergency checkpoint of step 2: {tmp_path}/run/checkpoints/step_00000002.json "
         f"(resume={tmp_path}/run continues from it)")
     assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == ["step_00000002.json"]
+
+
+def test_a_reward_that_exits_in_an_async_rollout_worker_ends_the_run_the_same_way(tmp_path):
+    """The worker's UserCodeError reaches the trainer whole (pickled by Ray): its frames, its line, the checkpoint."""
+    (tmp_path / "exits.py").write_text(EXITS_AT_STEP_3.format(leave="sys.exit(3)").replace("calls > 40", "calls > 32"))
+    command = grpo_cmd(tmp_path / "run", "train.total_steps=4", f"reward.functions=[{tmp_path / 'exits.py'}:score]")
+    command[1] = str(REPO / "grpo" / "grpo-async.py")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    *_, note, frame, code, said = proc.stderr.splitlines()
+    assert (frame, code) == (f'  File "{tmp_path}/exits.py", line 10, in score', "    sys.exit(3)")
+    assert re.fullmatch(rf"error: reward.functions\[0\]='{re.escape(str(tmp_path))}/exits.py:score' on row \d+ called "
+                        r"sys.exit\(3\), which would end the run: user code must return, never exit; fix it there "
+                        r"\(its frames are above\).", said), said
+    finished = max(step_rows(tmp_path / "run"))  # the worker scores ahead of the trainer: step 1 or 2
+    assert note.startswith(f"step {finished + 1} failed (UserCodeError); emergency checkpoint of step {finished}: ")
+    assert [p.name for p in list_checkpoints(tmp_path / "run" / "checkpoints")] == [f"step_{finished:08d}.json"]
+
+
+def test_a_user_code_error_pickles_whole():  # as Ray hands a rollout worker's error to the trainer
+    err = pickle.loads(pickle.dumps(UserCodeError("reward.functions[0] raised KeyError", '  File "r.py", line 2\n')))
+    assert (str(err), err.frames) == ("reward.functions[0] raised KeyError", '  File "r.py", line 2\n')
 
 
 @pytest.mark.parametrize("body, said", [
