@@ -94,7 +94,7 @@ def test_a_reward_of_10_to_the_400_is_refused_in_one_line(tmp_path):
     """It raised OverflowError from the project's own check of the return value."""
     (tmp_path / "huge.py").write_text("def score(reply):\n    return 10**400\n")
     function = load_reward_function(f"{tmp_path / 'huge.py'}:score", 0)
-    with pytest.raises(ConfigError, match=r"returned 1000000000.*\.\.\. \(int\) for a reply to row 4 .* return a "
+    with pytest.raises(ConfigError, match=r"returned 1000000000.*\.\.\. \(int\), past a float's range, for a reply to row 4 .* return a "
                                           r"finite number"):
         function([{"reply": "a"}], [4], "split 'train'", timeout_s=10)
 

@@ -163,11 +163,10 @@ class RewardFunction:
             raise ConfigError(f"{self.key} returned {_short(value)} for a reply to row {row} ({where}); it must "
                               "return a number (a float) per reply, e.g. 1.0 for a good reply and 0.0 for a bad one.")
         try:
-            finite = math.isfinite(value)
+            finite, shown = math.isfinite(value), value if isinstance(value, float) else _short(value)
         except OverflowError:  # an int past float's range (10**400)
-            finite = False
+            finite, shown = False, f"{_short(value)}, past a float's range,"
         if not finite:
-            shown = value if isinstance(value, float) else _short(value)
             raise ConfigError(f"{self.key} returned {shown} for a reply to row {row} ({where}); return a finite "
                               "number, e.g. 0.0 for a reply it cannot score.")
         return float(value)
