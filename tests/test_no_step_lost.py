@@ -18,7 +18,7 @@ from grpo.loop.disk_room import HeldRoom
 from grpo.loop.logger import RunLogger, plot_metrics, read_metrics
 from grpo.loop.resume import truncate_metrics
 from grpo.loop.records import RunRecords
-from grpo.process.errors import ConfigError, ResumeError, RunDirError, UserCodeError, clear_errors
+from grpo.process.errors import CheckpointError, ConfigError, ResumeError, RunDirError, UserCodeError, clear_errors
 from grpo.tasks.tool_env import make_turn_env
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint
@@ -273,6 +273,15 @@ def test_an_eval_far_below_the_best_warns_naming_the_best_checkpoint(tmp_path, c
                                        "10: the policy may have collapsed (a lower optimizer.lr?)\n")
     best.after_eval(40, 0.5, lambda folder: saved.append(folder) or folder / "step_00000040.json")
     assert saved == [tmp_path / "best"] and best.best == (40, 0.5)
+    assert best.summary_line().startswith(f"{tmp_path}/best/step_00000040.json (accuracy 0.500; ")
+
+    def full(folder):
+        raise CheckpointError("the checkpoint of step 44: 3.5 MiB needed and best has 1.0 MiB free; ...")
+
+    best.after_eval(44, 0.75, full)  # the best not kept: the run goes on, the summary names the one kept
+    assert capsys.readouterr().out == (
+        "step 44: warning: its weights (the best held-out accuracy so far) were not kept: the checkpoint of step 44: "
+        f"3.5 MiB needed and best has 1.0 MiB free; ... The best kept is {tmp_path}/best/step_00000040.json.\n")
     assert best.summary_line().startswith(f"{tmp_path}/best/step_00000040.json (accuracy 0.500; ")
     for step in (41, 42, 43):  # every optimiser step of 3 steps in a row skipped: nothing is learnt
         best.count_skips({"step": step, "optim_steps": 0, "skipped_optim_steps": 4})

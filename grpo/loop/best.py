@@ -27,6 +27,7 @@ class BestCheckpoint:
         evals = [(row["step"], row["eval/accuracy"]) for row in rows if "eval/accuracy" in row]
         self.best: tuple[int, float] | None = max(evals, key=lambda e: e[1]) if evals else None
         self.path: Path | None = next(iter(sorted(self.folder.glob("step_*.json"))), None) if self.keep else None
+        self.kept = self.best if self.path else None  # (step, accuracy) of the weights at ``path``
         self.skipped_in_a_row = 0
         for row in rows:
             self.count_skips(row)
@@ -51,10 +52,10 @@ class BestCheckpoint:
             self.best = (step, accuracy)
             if self.keep:
                 try:
-                    self.path = save(self.folder)
+                    self.path, self.kept = save(self.folder), self.best
                 except OSError as err:  # the run's own checkpoints matter more: it goes on without this one
-                    tqdm.write(f"step {step}: warning: its weights (the best held-out accuracy so far) were not kept "
-                               f"({err}); the best kept is {self.path or 'none'}")
+                    tqdm.write(f"step {step}: warning: its weights (the best held-out accuracy so far) were not kept: "
+                               f"{err} The best kept is {self.path or 'none'}.")
 
     def summary_line(self) -> str:
-        return f"{self.path} (accuracy {self.best[1]:.3f}; python -m grpo.export {self.path} <out> exports it)"
+        return f"{self.path} (accuracy {self.kept[1]:.3f}; python -m grpo.export {self.path} <out> exports it)"

@@ -69,31 +69,30 @@ class RunRecords:
         self.postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}
 
     def save_checkpoint(self, step: int, trainer, counters: dict, extras: dict, rng: dict | None = None) -> None:
-        """``rng``: RNG states to store instead of the current ones."""
-        path = self._write(self.checkpoint_dir, step, trainer.checkpoint_state(), counters,
-                           {"wandb_run_id": self.logger.wandb_run_id, **extras}, self.keep_last, rng)
+        """``rng``: RNG states to store instead of the current ones. It is written into the room held for it, which
+        is taken back for the next one after (``check_room`` says whether it could)."""
+        then = f"resume={self.run_dir}" if self.last_checkpoint else "run again (this run has no checkpoint)"
+        self.room.release()
+        try:
+            path = ckpt.save_checkpoint(
+                str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
+                resolved_config=self.resolved_config, extra={"wandb_run_id": self.logger.wandb_run_id, **extras},
+                keep_last=self.keep_last, rng=rng, then=then)
+        finally:
+            self.room.take()
         self.last_checkpoint = (step, path)
         tqdm.write(f"step {step}: checkpoint {path}")
 
     def after_eval(self, step: int, accuracy: float, trainer, counters: dict) -> None:
         """A collapse warns; a new best held-out accuracy keeps this step's weights (``logging.keep_best``)."""
-        def save(folder: Path) -> Path:  # the weights alone (what an export reads): a third of a checkpoint
+        def save(folder: Path) -> Path:
+            # the weights alone (what an export reads: a third of a checkpoint), never in the room held: the run's
+            # next checkpoint needs it (on a disk filled mid-run, a best written from it took the final checkpoint's)
             state = {"model": trainer.checkpoint_state()["model"], "optimizer": {}, "scheduler": {}}
-            return self._write(folder, step, state, counters, {}, 1, None)
+            return ckpt.save_checkpoint(str(folder), step, state=state, counters=counters,
+                                        resolved_config=self.resolved_config, keep_last=1, then="the run goes on")
 
         self.best.after_eval(step, accuracy, save)
-
-    def _write(self, folder: Path, step: int, state: dict, counters: dict, extras: dict, keep_last, rng) -> Path:
-        """A checkpoint written into the room held for it; the room is taken back for the next one after
-        (``check_room`` says whether it could)."""
-        then = f"resume={self.run_dir}" if self.last_checkpoint else "run again (this run has no checkpoint)"
-        self.room.release()
-        try:
-            return ckpt.save_checkpoint(str(folder), step, state=state, counters=counters,
-                                        resolved_config=self.resolved_config, extra=extras, keep_last=keep_last,
-                                        rng=rng, then=then)
-        finally:
-            self.room.take()
 
     def check_room(self) -> None:
         """Stop on the checkpoint just written when the disk has no room left for the next one: the run would
