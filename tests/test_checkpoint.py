@@ -426,7 +426,7 @@ def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
     payload["config"] = {"model": {"name": "other/model"}, "train_model": {"lora": dict(cfg.train_model.lora)}}
     with pytest.raises(ResumeError, match=r"made with model.name='other/model', this run has .*tiny-model"):
         check_resumable(in_run_dir, payload, cfg)
-    payload["config"] = OmegaConf.to_container(cfg, resolve=True)
+    payload["config"], payload["step"] = OmegaConf.to_container(cfg, resolve=True), 1
     check_resumable(in_run_dir, payload, cfg)  # the same model and run, in a run dir: fine
     with pytest.raises(ResumeError, match=r"is not in a run dir's checkpoints/ folder"):
         check_resumable(tmp_path / "elsewhere" / "step_00000001.json", payload, cfg)  # it would write into its parent
