@@ -2,9 +2,9 @@
 to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), wandb, and plots.
 
 Each row is written and flushed as soon as it is logged, so a killed run keeps every
-row up to its last step. Each write first checks that the run dir is still where it was: one deleted or moved
-under the run gets its files written back in place, and the run stops (``RunDirError``). wandb runs offline when no API key is configured;
-``logger=none`` turns it off.
+row up to its last step. Each write first checks that the run dir is still where it was: one deleted or
+moved under the run gets its files written back in place, and the run stops (``RunDirError``). wandb runs
+offline when no API key is configured; ``logger=none`` turns it off.
 """
 
 from __future__ import annotations

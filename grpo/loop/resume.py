@@ -38,9 +38,9 @@ def check_resumable(path: Path, payload, cfg) -> None:
     if cfg.train.total_steps == 0:  # evaluation only: nothing is trained on, any config may read the weights
         return
     if payload["step"] > cfg.train.total_steps:  # it ended "run finished", rc 0, having trained nothing
-        raise ResumeError(f"resume: {path} is at step {payload['step']}, past train.total_steps={cfg.train.total_steps}: "
-                          f"nothing is left to train; pass train.total_steps above {payload['step']} (or 0 to evaluate "
-                          "it).")
+        done = payload["step"]
+        raise ResumeError(f"resume: {path} is at step {done}, past train.total_steps={cfg.train.total_steps}: nothing "
+                          f"is left to train; pass train.total_steps above {done} (or 0 to evaluate it).")
     changed = [f"{key}={_select(saved, key)!r} -> {_select(now, key)!r}" for now in [OmegaConf.to_container(cfg, resolve=True)]
                for key in meaning_keys(cfg) if _select(saved, key) != _select(now, key)]
     if changed and cfg.resume_allow_changes:

@@ -188,8 +188,9 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
         engine.push_weights(trainer.engine_weights(), trainer.policy_version)
     # this process's GPUs; with dedicated inference its own engine (eval only) sits on the training GPU
     gpu_ids = sorted({*devices.train, *devices.ref, *([] if dedicated_inference else devices.inference)})
-    room = None if eval_only else HeldRoom(run_dir, checkpoint_bytes(trainer.trainable_bytes()))  # made last: a
-    records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)  # failed start leaves none
+    # made last: a start that fails leaves no room file behind
+    room = None if eval_only else HeldRoom(run_dir, checkpoint_bytes(trainer.trainable_bytes()))
+    records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
                evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
