@@ -186,6 +186,8 @@ def test_the_room_held_is_let_go_for_a_checkpoint_and_taken_back(tmp_path, monke
 @pytest.mark.parametrize("how", ["deleted", "moved"])
 def test_a_run_dir_gone_from_its_place_has_its_rows_written_there_again(tmp_path, how):
     run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- train.total_steps=4\n")  # what resume=auto finds it by
     logger = RunLogger(run_dir, compose("grpo_tiny", ["logger=none"]), {})
     logger.log({"step": 1, "reward": 0.5})
     logger.log_eval_scores(1, [1.0, 0.0])
@@ -198,6 +200,7 @@ def test_a_run_dir_gone_from_its_place_has_its_rows_written_there_again(tmp_path
     logger.close()
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
     assert (run_dir / "eval_scores.jsonl").read_text() == '{"step": 1, "scores": [1.0, 0.0]}\n'
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- train.total_steps=4\n"
 
 
 def test_a_run_dir_deleted_mid_run_stops_it_with_its_state_written_back_and_resume_takes_it(script, tmp_path,  # noqa: F811

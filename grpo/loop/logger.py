@@ -43,6 +43,8 @@ class RunLogger:
         self._samples_file = None  # opened at the first samples: a run that logs none gets no file
         self._eval_scores_file = None  # likewise, at the first eval
         self._samples_table = None
+        # the run's config record (what resume=auto finds it by): small, held to be put back too
+        self._hydra = {p: p.read_bytes() for p in sorted((self.run_dir / ".hydra").glob("*.yaml"))}
         self.failed = False  # a write failed (and said so): closing then only lets go of the files
         self.wandb = None
         if cfg.logger == "wandb":
@@ -122,8 +124,12 @@ class RunLogger:
 
     def _put_back(self) -> dict:
         """Each open file's rows written again at its path (from the file still open: a deleted file stays
-        readable until closed), and written there from now on; returns the new file of each old one."""
+        readable until closed), and written there from now on, with ``.hydra/``; returns the new file of each old
+        one."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for path, record in self._hydra.items():
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(record)
         new = {}
         for name in ("_file", "_samples_file", "_eval_scores_file"):
             old = getattr(self, name)
