@@ -426,7 +426,7 @@ def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
     payload["config"] = {"model": {"name": "other/model"}, "train_model": {"lora": dict(cfg.train_model.lora)}}
     with pytest.raises(ResumeError, match=r"made with model.name='other/model', this run has .*tiny-model"):
         check_resumable(in_run_dir, payload, cfg)
-    payload["config"] = OmegaConf.to_container(cfg, resolve=True)
+    payload["config"], payload["step"] = OmegaConf.to_container(cfg, resolve=True), 1
     check_resumable(in_run_dir, payload, cfg)  # the same model and run, in a run dir: fine
     payload["config"]["train"]["inference_is_cap"] = 2.0  # a checkpoint from before train.importance_sampling
     with pytest.raises(ResumeError, match=r"train.inference_is_cap=2.0, retired: pass "

@@ -52,7 +52,8 @@ def test_a_finished_run_ends_with_its_summary(finished_tiny_run):
     run_dir = finished_tiny_run.run_dir
     (step0, first, _), (step2, last, row) = [(r["step"], r["eval/accuracy"], r)
                                              for r in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in r]
-    best = f"{last:.3f} (step 2)" if last > first else f"{first:.3f} (step 0)"
+    best_step, best_accuracy = (2, last) if last > first else (0, first)
+    best, best_path = f"{best_accuracy:.3f} (step {best_step})", run_dir / "best" / f"step_{best_step:08d}.json"
     gain = f"{100 * row['eval/gain']:+.1f} ± {100 * row['eval/gain_stderr']:.1f} points since step 0"
     checkpoint = run_dir / "checkpoints" / "step_00000002.json"
     assert (step0, step2) == (0, 2)
@@ -61,6 +62,7 @@ def test_a_finished_run_ends_with_its_summary(finished_tiny_run):
         f"  eval accuracy  first {first:.3f} (step 0) -> best {best} -> last {last:.3f} (step 2): {gain}",
         f"  metrics        {run_dir / 'metrics.jsonl'}, {run_dir / 'metrics.png'}",
         f"  checkpoint     {checkpoint} (resume={run_dir} continues from it)",
+        f"  best           {best_path} (accuracy {best_accuracy:.3f}; python -m grpo.export {best_path} <out> exports it)",
         f"  export         {run_dir / 'export'} (transformers' from_pretrained and vllm serve load it)",
     ]) + "\n"), finished_tiny_run.stdout[-2000:]
     assert (run_dir / "metrics.png").is_file() and checkpoint.is_file() and (run_dir / "export" / "config.json").is_file()
@@ -89,12 +91,14 @@ def test_a_stopped_run_ends_with_its_summary(tmp_path, capsys, monkeypatch):
     assert stopped.value.code == 128 + signal.SIGTERM
     checkpoint = tmp_path / "checkpoints" / "step_00000001.json"
     accuracy = [r["eval/accuracy"] for r in read_metrics(tmp_path / "metrics.jsonl") if "eval/accuracy" in r]
+    best = tmp_path / "best" / "step_00000000.json"
     assert capsys.readouterr().out.endswith("\n".join([
         f"run stopped after step 1 (received SIGTERM): {tmp_path}",
         f"  eval accuracy  first {accuracy[0]:.3f} (step 0) -> best {accuracy[0]:.3f} (step 0) -> last "
         f"{accuracy[0]:.3f} (step 0)",
         f"  metrics        {tmp_path / 'metrics.jsonl'}, {tmp_path / 'metrics.png'}",
         f"  checkpoint     {checkpoint} (resume={tmp_path} continues from it)",
+        f"  best           {best} (accuracy {accuracy[0]:.3f}; python -m grpo.export {best} <out> exports it)",
         f"  export         none (python -m grpo.export {checkpoint} <out> writes one)",
     ]) + "\n")
     assert len(accuracy) == 1 and checkpoint.is_file() and not (tmp_path / "export").exists()

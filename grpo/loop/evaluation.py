@@ -82,10 +82,11 @@ class Evaluator:
         self.frequency, self.total_steps = cfg.eval.frequency, cfg.train.total_steps
         self.last_eval_step = last_eval_step
 
-    def evaluate_if_due(self, step: int, trainer, logger, force: bool = False) -> None:
+    def evaluate_if_due(self, step: int, trainer, logger, force: bool = False) -> dict | None:
+        """The eval row, when one was due."""
         due = force or (self.frequency and step % self.frequency == 0) or step == self.total_steps
         if not due or self.last_eval_step == step:
-            return
+            return None
         t0 = time.perf_counter()
         if self.engine.version != trainer.policy_version:  # rollout workers elsewhere got the weights, it did not
             self.engine.push_weights(trainer.engine_weights(), trainer.policy_version)
@@ -102,3 +103,4 @@ class Evaluator:
                    f"({result['eval/num_problems']} problems){gain}{shown}, "
                    f"reply length {result['eval/response_length']:.0f}")
         self.last_eval_step = step
+        return result

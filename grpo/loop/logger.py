@@ -2,8 +2,9 @@
 to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), wandb, and plots.
 
 Each row is written and flushed as soon as it is logged, so a killed run keeps every
-row up to its last step. wandb runs offline when no API key is configured;
-``logger=none`` turns it off.
+row up to its last step. Each write first checks that the run dir is still where it was: one deleted or
+moved under the run gets its files written back in place, and the run stops (``RunDirError``). wandb runs
+offline when no API key is configured; ``logger=none`` turns it off.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "a+", buffering=1)  # a+: readable, for putting it back (_put_back)
         self._samples_file = None  # opened at the first samples: a run that logs none gets no file
         self._eval_scores_file = None  # likewise, at the first eval
         self._samples_table = None
+        # the run's config record (what resume=auto finds it by): small, held to be put back too
+        self._hydra = {p: p.read_bytes() for p in sorted((self.run_dir / ".hydra").glob("*.yaml"))}
         self.failed = False  # a write failed (and said so): closing then only lets go of the files
         self.wandb = None
         if cfg.logger == "wandb":
@@ -84,25 +87,60 @@ class RunLogger:
     def first_eval_scores(self) -> tuple[int, list[float]] | None:
         """The step and per-problem scores of this run dir's first eval (a resumed run's included), if any."""
         path = self.run_dir / "eval_scores.jsonl"
-        if not path.exists():
-            return None
-        with open(path) as file:
-            first = json.loads(file.readline() or "null")  # a resumed run's file was cut to whole rows
-        return (first["step"], first["scores"]) if first else None
+        rows = read_metrics(path) if path.exists() else []
+        return (rows[0]["step"], rows[0]["scores"]) if rows else None
 
     def _open_for_append(self, name: str):
         """The run dir's file ``name``, line-buffered for appending (each row reaches the disk as it is written)."""
         path = self.run_dir / name
         try:
-            return open(path, "a", buffering=1)
+            return open(path, "a+", buffering=1)
         except OSError as err:
             raise self._failure(path, err) from err
 
     def _write(self, file, text: str) -> None:
         try:
+            moved = self._moved()
+            if moved:
+                file = self._put_back()[file]
             file.write(text)
         except OSError as err:  # a full disk mid-run: one line, not a traceback from the middle of a step
             raise self._failure(Path(file.name), err) from err
+        if moved:
+            self.failed = True
+            raise RunDirError(f"{self.run_dir} was {moved} while the run went on: its metrics are written there again, "
+                              f"with a checkpoint of its last finished step, and the run stops; resume={self.run_dir} "
+                              "continues it.")
+
+    def _moved(self) -> str | None:
+        """How the run dir left its place (deleted, moved), judged by metrics.jsonl: is the file at its path still
+        the one this logger writes?"""
+        try:
+            there = os.stat(self.path)
+        except FileNotFoundError:
+            return "deleted or moved"
+        here = os.fstat(self._file.fileno())
+        return None if (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino) else "replaced"
+
+    def _put_back(self) -> dict:
+        """Each open file's rows written again at its path (from the file still open: a deleted file stays
+        readable until closed), and written there from now on, with ``.hydra/``; returns the new file of each old
+        one."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for path, record in self._hydra.items():
+            path.parent.mkdir(exist_ok=True)
+            path.write_bytes(record)
+        new = {}
+        for name in ("_file", "_samples_file", "_eval_scores_file"):
+            old = getattr(self, name)
+            if old is not None:
+                old.seek(0)
+                rows = old.read()
+                old.close()
+                new[old] = open(old.name, "w+", buffering=1)
+                new[old].write(rows)
+                setattr(self, name, new[old])
+        return new
 
     def _failure(self, path: Path, err: OSError) -> RunDirError:
         self.failed = True
@@ -221,15 +259,25 @@ def profile_to(run_dir: Path, step: int):
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """Every row; a torn last line (the run was killed while writing it) is dropped."""
-    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    """Every row of a JSON-lines file of the run dir; a torn last line (the run was killed while writing it) is
+    dropped, and a damaged one elsewhere skipped with a warning naming the file and the line (it stopped
+    resume and the plot with a bare ``JSONDecodeError: line 1 column 603``)."""
+    lines = Path(path).read_text(errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     rows = []
     for i, line in enumerate(lines):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:  # only the last line can be torn; anything else is a damaged file
-                raise
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError(f"a {type(row).__name__}, not an object")
+        except ValueError as err:  # JSONDecodeError among them
+            if i < last:
+                warnings.warn(f"{path}, line {i + 1}: not a JSON row ({err}); skipped",
+                              stacklevel=2)
+            continue
+        rows.append(row)
     return rows
 
 

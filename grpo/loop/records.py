@@ -11,8 +11,11 @@ import torch
 from tqdm import tqdm
 
 from grpo.export import export_model
+from grpo.loop.best import BestCheckpoint
+from grpo.loop.disk_room import HeldRoom
 from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.process.errors import RunDirError
 from grpo.training import checkpoint as ckpt
 
 
@@ -29,13 +32,15 @@ def graphs_compiled() -> int:
 
 class RunRecords:
     """``last_checkpoint``: (step, path) of the newest checkpoint this run can continue from; ``gpu_ids``: the
-    GPUs this process computes on, whose peak memory each step reports."""
+    GPUs this process computes on, whose peak memory each step reports; ``room``: the disk space its next
+    checkpoint is sure of (None: it writes none)."""
 
     def __init__(self, cfg, run_dir: Path, resolved_config: dict, logger: RunLogger,
-                 last_checkpoint: tuple[int, Path] | None, gpu_ids: list[int]):
+                 last_checkpoint: tuple[int, Path] | None, gpu_ids: list[int], room: HeldRoom | None = None):
         self.run_dir, self.resolved_config, self.logger, self.gpu_ids = run_dir, resolved_config, logger, gpu_ids
         self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
-        self.last_checkpoint = last_checkpoint
+        self.last_checkpoint, self.room = last_checkpoint, room
+        self.best = BestCheckpoint(cfg, run_dir, read_metrics(logger.path))
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
         self.graphs_before = 0  # graphs_compiled() when the step started
@@ -56,16 +61,48 @@ class RunRecords:
             for i in self.gpu_ids:
                 torch.cuda.reset_peak_memory_stats(i)
         self.logger.log({"step": step, **metrics})
+        self.best.count_skips(metrics)
+        if metrics.get("skipped_optim_steps"):
+            skipped = metrics["skipped_optim_steps"]
+            tqdm.write(f"step {step}: {skipped} of {skipped + metrics['optim_steps']} optimiser steps "
+                       "skipped (a non-finite gradient, train.on_nonfinite=skip)")
         self.postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}
 
     def save_checkpoint(self, step: int, trainer, counters: dict, extras: dict, rng: dict | None = None) -> None:
-        """``rng``: RNG states to store instead of the current ones."""
-        path = ckpt.save_checkpoint(
-            str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
-            resolved_config=self.resolved_config,
-            extra={"wandb_run_id": self.logger.wandb_run_id, **extras}, keep_last=self.keep_last, rng=rng)
+        """``rng``: RNG states to store instead of the current ones. It is written into the room held for it, which
+        is taken back for the next one after (``check_room`` says whether it could)."""
+        then = f"resume={self.run_dir}" if self.last_checkpoint else "run again (this run has no checkpoint)"
+        self.room.release()
+        try:
+            path = ckpt.save_checkpoint(
+                str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
+                resolved_config=self.resolved_config, extra={"wandb_run_id": self.logger.wandb_run_id, **extras},
+                keep_last=self.keep_last, rng=rng, then=then)
+        finally:
+            self.room.take()
         self.last_checkpoint = (step, path)
         tqdm.write(f"step {step}: checkpoint {path}")
+
+    def after_eval(self, step: int, accuracy: float, trainer, counters: dict) -> None:
+        """A collapse warns; a new best held-out accuracy keeps this step's weights (``logging.keep_best``)."""
+        def save(folder: Path) -> Path:
+            # the weights alone (what an export reads: a third of a checkpoint), never in the room held: the run's
+            # next checkpoint needs it (on a disk filled mid-run, a best written from it took the final checkpoint's)
+            state = {"model": trainer.checkpoint_state()["model"], "optimizer": {}, "scheduler": {}}
+            return ckpt.save_checkpoint(str(folder), step, state=state, counters=counters,
+                                        resolved_config=self.resolved_config, keep_last=1, then="the run goes on")
+
+        self.best.after_eval(step, accuracy, save)
+
+    def check_room(self) -> None:
+        """Stop on the checkpoint just written when the disk has no room left for the next one: the run would
+        otherwise train on towards a checkpoint it cannot write."""
+        if not self.room.held:
+            free = ckpt.shutil.disk_usage(self.run_dir).free
+            raise RunDirError(f"{self.run_dir}'s disk is full ({ckpt.size_text(free)} free): no room for the next "
+                              f"checkpoint ({ckpt.size_text(self.room.size)}); the run stops on its last, "
+                              f"{self.last_checkpoint[1]}. Free {ckpt.size_text(self.room.size - free)} there (older "
+                              f"run dirs, logging.keep_last=1), then resume={self.run_dir} continues from it.")
 
     def last_checkpoint_note(self) -> str:
         return checkpoint_note(self.last_checkpoint, self.run_dir)
@@ -81,7 +118,8 @@ class RunRecords:
     def summary(self, ended: str) -> str:
         """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""
         run_dir = self.run_dir
-        rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in row]
+        every_row = read_metrics(run_dir / "metrics.jsonl")
+        rows = [row for row in every_row if "eval/accuracy" in row]
         evals = [(row["step"], row["eval/accuracy"]) for row in rows]
         if evals:
             marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
@@ -90,6 +128,7 @@ class RunRecords:
                 accuracy += f": {gain_text(rows[-1])}"
         else:
             accuracy = "no eval ran"
+        skipped = sum(row.get("skipped_optim_steps", 0) for row in every_row)
         plot = run_dir / "metrics.png"
         path = self.last_checkpoint[1] if self.last_checkpoint else None  # eval only: the one evaluated, if any
         checkpoint = f"{path} (resume={path.parent.parent} continues from it)" if path else "none"
@@ -100,5 +139,8 @@ class RunRecords:
             f"  eval accuracy  {accuracy}",
             f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
             f"  checkpoint     {checkpoint}",
+            *([f"  best           {self.best.summary_line()}"] if self.best.path else []),
             f"  export         {export}",
+            *([f"  skipped        {skipped} optimiser steps (non-finite gradients, train.on_nonfinite=skip)"]
+              if skipped else []),
         ])

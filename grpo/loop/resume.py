@@ -38,6 +38,10 @@ def check_resumable(path: Path, payload, cfg) -> None:
                               f"{section}.{key} as it was, or start without resume.")
     if cfg.train.total_steps == 0:  # evaluation only: nothing is trained on, any config may read the weights
         return
+    if payload["step"] > cfg.train.total_steps:  # it ended "run finished", rc 0, having trained nothing
+        done = payload["step"]
+        raise ResumeError(f"resume: {path} is at step {done}, past train.total_steps={cfg.train.total_steps}: nothing "
+                          f"is left to train; pass train.total_steps above {done} (or 0 to evaluate it).")
     cap, t = _select(saved, "train.inference_is_cap"), cfg.train
     now = (t.importance_sampling, t.is_high)
     if cap is not None and now != ("token_truncate", cap) and not cfg.resume_allow_changes:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
+from grpo.loop.disk_room import HeldRoom, check_room_at_start, checkpoint_bytes
 from grpo.loop.evaluation import Evaluator
 from grpo.loop.logger import RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
@@ -43,7 +44,6 @@ from grpo.rollout.local_rollouts import RankGeneration
 from grpo.tasks.envs import load_splits, make_env, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
-from grpo.training import checkpoint as ckpt
 from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
 from grpo.training.trainer import Trainer
@@ -79,7 +79,10 @@ class Run:
         return self.trainer.update(rollouts, self.step)
 
     def evaluate_if_due(self, force: bool = False) -> None:
-        self.evaluator.evaluate_if_due(self.step, self.trainer, self.records.logger, force=force)
+        """And after an eval, the best checkpoint and the collapse warning (``grpo.loop.best``)."""
+        result = self.evaluator.evaluate_if_due(self.step, self.trainer, self.records.logger, force=force)
+        if result and not self.eval_only:
+            self.records.after_eval(self.step, result["eval/accuracy"], self.trainer, self.counters())
 
     def checkpoint_if_due(self, extras: Callable[[], dict], force: bool = False, rng: dict | None = None) -> None:
         """``extras``: what the rollout source keeps in a checkpoint (its ``state``), asked only when one is due."""
@@ -87,9 +90,11 @@ class Run:
         if self.records.last_checkpoint and self.records.last_checkpoint[0] == self.step:
             return  # the end of a run whose last step was a periodic one wrote step N twice, needing room for both
         if force or (freq and self.step % freq == 0):
-            counters = {"step": self.step, "policy_version": self.trainer.policy_version,
-                        "last_eval_step": self.evaluator.last_eval_step}
-            self.records.save_checkpoint(self.step, self.trainer, counters, extras(), rng=rng)
+            self.records.save_checkpoint(self.step, self.trainer, self.counters(), extras(), rng=rng)
+
+    def counters(self) -> dict:
+        return {"step": self.step, "policy_version": self.trainer.policy_version,
+                "last_eval_step": self.evaluator.last_eval_step}
 
 
 def check_start(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu=None) -> DeviceAllocation:
@@ -169,12 +174,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,
                         num_envs=min(cfg.eval.batch_size, num_eval_problems), shuffle=False)
     if not eval_only:  # a disk that cannot hold the run's checkpoints would lose every step since the last one
-        written = len(ckpt.list_checkpoints(run_dir / cfg.logging.checkpoint_dir))
-        at_once = checkpoints_at_once(cfg, payload["step"] if payload else 0, written)
-        ckpt.check_free_space(run_dir, (at_once - written) * 3 * trainer.trainable_bytes(),
-                              f"this run's checkpoints (weights and AdamW, {at_once} on disk at once with "
-                              f"logging.keep_last={cfg.logging.keep_last})",
-                              "run again (or point hydra.run.dir at a larger disk)")
+        check_room_at_start(cfg, run_dir, payload["step"] if payload else 0, trainer.trainable_bytes())
     logger = RunLogger(str(run_dir), cfg, config_record,
                        wandb_run_id=payload.get("wandb_run_id") if payload and not eval_only else None)
     event = "eval_only" if eval_only else "resume" if payload else "start"
@@ -188,19 +188,12 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
         engine.push_weights(trainer.engine_weights(), trainer.policy_version)
     # this process's GPUs; with dedicated inference its own engine (eval only) sits on the training GPU
     gpu_ids = sorted({*devices.train, *devices.ref, *([] if dedicated_inference else devices.inference)})
-    records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids)
+    # made last: a start that fails leaves no room file behind
+    room = None if eval_only else HeldRoom(run_dir, checkpoint_bytes(trainer.trainable_bytes()))
+    records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
                evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
-
-
-def checkpoints_at_once(cfg, start_step: int, written: int) -> int:
-    """The most checkpoints a run from ``start_step`` holds on disk at once, ``written`` (by a run it resumes)
-    included: each new one is written before ``logging.keep_last`` prunes the oldest; at least one more."""
-    freq, total = cfg.train.checkpoint_frequency, cfg.train.total_steps
-    due = {s for s in range(start_step + 1, total + 1) if freq and s % freq == 0} | {total}
-    keep_last = cfg.logging.keep_last
-    return max(written + 1, min(keep_last, written + len(due) - 1) + 1 if keep_last else written + len(due))
 
 
 def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Trainer:
@@ -265,6 +258,7 @@ def train_loop(run: Run, source) -> Run:
                 run.records.log_step(step, metrics | filtering | source.step_metrics(), t0)
                 run.evaluate_if_due()
                 run.checkpoint_if_due(source.state)
+                run.records.check_room()
     finally:
         source.shutdown()
     return run
@@ -309,10 +303,10 @@ def guard(run: Run, source):
             run.checkpoint_if_due(source.state, force=True, rng=rng)
         ended = f"stopped after step {run.step} ({stop})"
         raise SystemExit(stop.exit_code)
-    except Exception as err:
+    except BaseException as err:  # a SystemExit or KeyboardInterrupt from a library too: the finished steps are kept
         raise_if_interrupted_twice()  # no emergency checkpoint: the user asked to stop now
         failed = f"step {run.step} failed ({type(err).__name__})"
-        saved = records.last_checkpoint[0] if records.last_checkpoint else None
+        saved = records.last_checkpoint[0] if records.last_checkpoint and records.last_checkpoint[1].exists() else None
         last = records.last_checkpoint_note()
         if trainer.half_updated:
             note = f"{failed} inside the optimiser update: no emergency checkpoint of half-updated weights; {last}"
@@ -347,4 +341,6 @@ def guard(run: Run, source):
                        file=sys.stderr)
         if ended:
             print(records.summary(ended), flush=True)
+        if records.room:
+            records.room.release()  # a run that ended keeps no room
         run.claim.release()

@@ -52,6 +52,18 @@ class RewardTimeout(UserError, TimeoutError):
     """A call of a user's reward function ran past ``reward.timeout_s``: the run stops rather than hang on it."""
 
 
+class UserCodeError(UserError):
+    """The user's code (a reward function, a turn env) raised or exited; ``frames``: its own traceback frames, the
+    project's left out, printed above the one line."""
+
+    def __init__(self, message: str, frames: str = ""):
+        super().__init__(message)
+        self.frames = frames
+
+    def __reduce__(self):  # raised in a rollout worker, it reaches the trainer whole
+        return type(self), (str(self), self.frames)
+
+
 class ExportError(UserError, ValueError):
     """``python -m grpo.export`` got a checkpoint it cannot read or an output folder it must not fill."""
 
@@ -62,6 +74,8 @@ def clear_errors():
     try:
         yield
     except UserError as err:
+        if isinstance(err, UserCodeError) and err.frames:  # where the user's code went wrong, theirs alone
+            print(err.frames, end="", file=sys.stderr)
         # one line even when the message quotes a library's multi-line error (transformers' OSError)
         print("error: " + " ".join(str(err).split()), file=sys.stderr)
         sys.exit(2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import gc
 import os
@@ -20,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
-from grpo.process.errors import ConfigError, clear_errors
+from grpo.process.errors import ConfigError, RunDirError, clear_errors
 from grpo.process.launch import trainer_world
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -70,8 +72,9 @@ class RunDirClaim:
     """
 
     def __init__(self, run_dir: Path):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(run_dir / ".run.lock", "a+")  # held open: the lock lasts as long as the file
+        with unwritable_run_dir(run_dir):
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = open(run_dir / ".run.lock", "a+")  # held open: the lock lasts as long as the file
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -80,9 +83,10 @@ class RunDirClaim:
             self._file.close()
             raise ConfigError(f"{run_dir} is in use by another run ({holder}); let that run finish or stop it, or give "
                               "this one another hydra.run.dir (by default each run gets a new one).") from None
-        self._file.truncate(0)
-        self._file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")  # who holds it, for a refused run to say
-        self._file.flush()
+        with unwritable_run_dir(run_dir):
+            self._file.truncate(0)
+            self._file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")  # who holds it, for a refused run
+            self._file.flush()
 
     def release(self) -> None:
         self._file.close()  # closing the file drops the lock
@@ -95,10 +99,24 @@ def write_hydra_record(run_dir: Path, task_config: str) -> None:
     what ``resume=auto`` finds it by: our configs set ``hydra.output_subdir: null``."""
     hydra_cfg = HydraConfig.instance().cfg
     folder = run_dir / ".hydra"
-    folder.mkdir(exist_ok=True)
-    for name, text in (("config.yaml", task_config), ("hydra.yaml", OmegaConf.to_yaml(hydra_cfg)),
-                       ("overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))):
-        (folder / name).write_text(text)
+    with unwritable_run_dir(run_dir):
+        folder.mkdir(exist_ok=True)
+        for name, text in (("config.yaml", task_config), ("hydra.yaml", OmegaConf.to_yaml(hydra_cfg)),
+                           ("overrides.yaml", OmegaConf.to_yaml(hydra_cfg.hydra.overrides.task))):
+            (folder / name).write_text(text)
+
+
+@contextlib.contextmanager
+def unwritable_run_dir(run_dir: Path):
+    """A run dir that cannot take a run's first files (16 KiB free: ENOSPC from the middle of the start) is
+    refused in one line, as one without room for a checkpoint is."""
+    try:
+        yield
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS):
+            raise
+        raise RunDirError(f"hydra.run.dir={run_dir} cannot be written ({err.strerror}); free space on its disk (or "
+                          "make it writable), or point hydra.run.dir at another disk, then run again.") from err
 
 
 _long_lived_frozen = False  # by freeze_long_lived_objects, in this process

@@ -11,7 +11,8 @@ staleness could not be bounded with it, nor could a worker's lost batches be tol
 
 A worker that dies (killed, out of memory) or raises is replaced by a new one holding the current
 weights, and the batches it held are assigned again before any new one, up to
-``train.max_worker_restarts`` times per run.
+``train.max_worker_restarts`` times per run. A user error it raises (a reward function's bad return, or
+anything leaving the user's code) ends the run instead: a new worker would fail the same way.
 """
 
 from __future__ import annotations

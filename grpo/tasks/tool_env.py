@@ -14,7 +14,7 @@ from __future__ import annotations
 from grpo.inference.episode_policy import EnvTurn, Episode, TurnEnv
 from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import CALL_CLOSE, PYTHON_TOOL, holds_call, parse_call
-from grpo.tasks.user_code import import_object
+from grpo.tasks.user_code import call_user, import_object
 
 NO_OUTPUT = "[no output: print() what you want to see]"
 
@@ -52,6 +52,23 @@ class PythonToolEnv:
         return answers
 
 
+class UserTurnEnv:
+    """A user's ``env.turn_env`` instance, each call of it through ``call_user``: what leaves it is one line naming
+    the class and the method."""
+
+    def __init__(self, env, spec: str):
+        self.env, self.spec = env, spec
+
+    max_turns = property(lambda self: self.env.max_turns)
+    max_episode_tokens = property(lambda self: self.env.max_episode_tokens)
+
+    def answers(self, episode: Episode) -> bool:
+        return call_user(f"env.turn_env={self.spec!r}: its answers()", self.env.answers, episode)
+
+    def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
+        return call_user(f"env.turn_env={self.spec!r}: its respond()", self.env.respond, episodes)
+
+
 def tool_message(text: str) -> dict:
     return {"role": "tool", "content": text}
 
@@ -61,8 +78,9 @@ def make_turn_env(cfg, tokenizer) -> TurnEnv | None:
     episode is one turn). The sandbox's protections are printed once."""
     budget = cfg.env.max_episode_tokens or cfg.env.max_turns * cfg.inference_model.max_new_tokens
     if cfg.env.turn_env:
-        env_class = import_object(cfg.env.turn_env, "env.turn_env")
-        return env_class(max_turns=cfg.env.max_turns, max_episode_tokens=budget)
+        env_class, spec = import_object(cfg.env.turn_env, "env.turn_env"), cfg.env.turn_env
+        return UserTurnEnv(call_user(f"env.turn_env={spec!r}: its constructor", env_class, max_turns=cfg.env.max_turns,
+                                     max_episode_tokens=budget), spec)
     if list(cfg.env.tools) == ["python"]:
         from grpo.tasks.sandbox import Sandbox, SandboxSettings  # only where a tool runs
 

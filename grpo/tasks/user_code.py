@@ -1,6 +1,7 @@
 """The user's own code, imported by the name a config gives it: ``module.path:Name`` (from the working directory,
 the repo root or PYTHONPATH) or ``path/to/file.py:Name`` (relative to the working directory, else to the repo
-root). Reward functions (``reward.functions``) and turn environments (``env.turn_env``) come this way."""
+root). Reward functions (``reward.functions``) and turn environments (``env.turn_env``) come this way, and are
+called through ``call_user``."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import importlib
 import importlib.util
 import os
 import sys
+import traceback
 from pathlib import Path
 
-from grpo.process.errors import ConfigError
-from grpo.process.setup import REPO_ROOT
+from grpo.process.errors import ConfigError, UserCodeError
+from grpo.process.setup import REPO_ROOT, raise_if_interrupted_twice
 
 
 def _import_file(where: str, key: str):
@@ -70,3 +72,23 @@ def import_object(spec: str, key: str):
         raise ConfigError(f"{key}: {where} defines no {name!r} (it defines: {', '.join(defined) or 'nothing'}); "
                           "fix the name after the colon.")
     return getattr(module, name)
+
+
+def call_user(what: str, fn, /, *args, **kwargs):
+    """``fn(*args, **kwargs)``, the user's code, which ``what`` names. Whatever leaves it is a UserCodeError: one
+    line saying what it did, with its own frames only. BaseException too: a ``sys.exit(3)`` in a reward function
+    ended the run with status 3, no word and no checkpoint; as an Exception it gets the run's emergency checkpoint."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as err:
+        raise_if_interrupted_twice()  # the user's second Ctrl-C landed in their code: the run stops now, as asked
+        frames = traceback.extract_tb(err.__traceback__)[1:]  # this function's own frame left out
+        where = " (its frames are above)" if frames else ""
+        raise UserCodeError(f"{what} {_did(err)}; fix it there{where}.", "".join(traceback.format_list(frames))
+                            ) from err
+
+
+def _did(err: BaseException) -> str:
+    if isinstance(err, SystemExit):
+        return f"called sys.exit({err.code!r}), which would end the run: user code must return, never exit"
+    return f"raised {type(err).__name__}" + (f": {err}" if str(err) else "")

@@ -43,8 +43,8 @@ import, a function it does not define, a parameter that is none of prompt, reply
 column (and has no default), or a function that never sees the reply. At the first call that
 makes one: a return value that is not a number, is NaN or infinite, or (batched) a list of the
 wrong length; a call that takes longer than ``reward.timeout_s`` (a ``RewardTimeout`` naming the
-function and the row). An exception the function itself raises keeps its traceback, with a note
-naming the function and the row.
+function and the row). Whatever the function raises, ``sys.exit`` included, is a ``UserCodeError``:
+one line naming the function and the row, below the function's own frames (``call_user``).
 
 Where it runs
 -------------
@@ -73,7 +73,7 @@ from torchrl.envs import Compose, Transform
 from grpo.process.errors import ConfigError, RewardTimeout
 from grpo.process.setup import raise_if_stop_signalled
 from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
-from grpo.tasks.user_code import import_object
+from grpo.tasks.user_code import call_user, import_object
 
 FIXED_ARGUMENTS = ("prompt", "reply", "episode")  # every call offers these; "answer" too when env.answer_key is set
 
@@ -156,24 +156,27 @@ class RewardFunction:
         return values
 
     def _call(self, rows: str, /, **kwargs):  # positional only: a column may be named rows
-        try:
-            return self.fn(**kwargs)
-        except Exception as err:  # the user's bug: its traceback is what they need, plus where it happened
-            err.add_note(f"raised by reward function {self.key} on {rows}")
-            raise
+        return call_user(f"{self.key} on {rows}", self.fn, **kwargs)
 
     def _number(self, value, row: int, where: str) -> float:
         if not isinstance(value, (numbers.Real, np.bool_)):
             raise ConfigError(f"{self.key} returned {_short(value)} for a reply to row {row} ({where}); it must "
                               "return a number (a float) per reply, e.g. 1.0 for a good reply and 0.0 for a bad one.")
-        if not math.isfinite(value):
-            raise ConfigError(f"{self.key} returned {value} for a reply to row {row} ({where}); return a finite "
+        try:
+            finite, shown = math.isfinite(value), value if isinstance(value, float) else _short(value)
+        except OverflowError:  # an int past float's range (10**400)
+            finite, shown = False, f"{_short(value)}, past a float's range,"
+        if not finite:
+            raise ConfigError(f"{self.key} returned {shown} for a reply to row {row} ({where}); return a finite "
                               "number, e.g. 0.0 for a reply it cannot score.")
         return float(value)
 
 
 def _short(value) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python prints
+        text = f"an int of {value.bit_length()} bits"
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
 
 

@@ -131,10 +131,11 @@ def check_free_space(folder: Path, need: int, what: str, then: str) -> None:
 
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, resolved_config: dict,
-                    extra: dict | None = None, keep_last: int | None = None, rng: dict | None = None) -> Path:
+                    extra: dict | None = None, keep_last: int | None = None, rng: dict | None = None,
+                    then: str = "resume the run from its last checkpoint") -> Path:
     """Write ``step_N.json`` and its tensors; returns the JSON's path. ``state``: ``training_state``'s.
     ``extra``: the scripts' own state, plain JSON values (loaded back as JSON gives them: tuples as
-    lists). ``rng``: RNG states taken earlier (default: now)."""
+    lists). ``rng``: RNG states taken earlier (default: now). ``then``: what to do once there is room."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict = {}
@@ -163,7 +164,7 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, r
         raise CheckpointError(f"step {step}: {len(bad)} weight tensor(s) hold NaN or inf (first: {bad[0]}); no "
                               f"checkpoint written, the earlier ones in {ckpt_dir} are kept.")
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20  # + the JSON, generously
-    check_free_space(ckpt_dir, need, f"the checkpoint of step {step}", "resume the run from its last checkpoint")
+    check_free_space(ckpt_dir, need, f"the checkpoint of step {step}", then)
 
     tmp, tensors_file = ckpt_dir / f"step_{step:08d}.safetensors.tmp", None
     path, json_tmp = ckpt_dir / f"step_{step:08d}.json", ckpt_dir / f"step_{step:08d}.json.tmp"
@@ -180,8 +181,9 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, r
         json_tmp.unlink(missing_ok=True)
         if tensors_file is not None and not path.exists():  # named by no JSON (an earlier save's may be this file)
             tensors_file.unlink(missing_ok=True)
+        kept = " The earlier checkpoints there are kept." if list_checkpoints(ckpt_dir) else ""
         raise CheckpointError(f"the checkpoint of step {step} could not be written to {ckpt_dir} ({err}); it needs "
-                              f"{size_text(need)}. The earlier checkpoints there are kept.") from err
+                              f"{size_text(need)}; free that, then {then}.{kept}") from err
     os.replace(json_tmp, path)  # the commit
     dir_fd = os.open(ckpt_dir, os.O_RDONLY)
     try:
