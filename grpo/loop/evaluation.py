@@ -7,8 +7,8 @@ import statistics
 import time
 
 import torch
-from tqdm import tqdm
 
+from grpo.process.console import say
 
 @torch.no_grad()
 def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[dict, list[float]]:
@@ -98,7 +98,7 @@ class Evaluator:
         if result["eval/tool_calls_per_episode"] or result["eval/turns"] > 1:
             shown += (f" turns {result['eval/turns']:.2f} tool_calls {result['eval/tool_calls_per_episode']:.2f} "
                       f"tool_errors {result['eval/tool_error_rate']:.2f}")
-        tqdm.write(f"step {step}: eval accuracy {result['eval/accuracy']:.3f} ± {result['eval/accuracy_stderr']:.3f} "
+        say(f"step {step}: eval accuracy {result['eval/accuracy']:.3f} ± {result['eval/accuracy_stderr']:.3f} "
                    f"({result['eval/num_problems']} problems){gain}{shown}, "
                    f"reply length {result['eval/response_length']:.0f}")
         self.last_eval_step = step

@@ -8,11 +8,11 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from grpo.export import export_model
 from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.process.console import say
 from grpo.training import checkpoint as ckpt
 
 
@@ -65,7 +65,7 @@ class RunRecords:
             resolved_config=self.resolved_config,
             extra={"wandb_run_id": self.logger.wandb_run_id, **extras}, keep_last=self.keep_last, rng=rng)
         self.last_checkpoint = (step, path)
-        tqdm.write(f"step {step}: checkpoint {path}")
+        say(f"step {step}: checkpoint {path}")
 
     def last_checkpoint_note(self) -> str:
         return checkpoint_note(self.last_checkpoint, self.run_dir)
@@ -76,7 +76,7 @@ class RunRecords:
         export_dir = self.run_dir / "export"
         shutil.rmtree(export_dir, ignore_errors=True)
         self.export_dir = export_model(policy_model, tokenizer, export_dir, state=weights)
-        tqdm.write(f"step {step}: exported the policy to {export_dir}")
+        say(f"step {step}: exported the policy to {export_dir}")
 
     def summary(self, ended: str) -> str:
         """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""

@@ -31,6 +31,7 @@ from grpo.loop.logger import RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.config import validate_config, warn_if_too_few_rows
+from grpo.process.console import say
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
@@ -305,7 +306,7 @@ def guard(run: Run, source):
         if stop.within_step:  # the step in progress is dropped: the checkpoint is of the last one finished
             run.step, rng = trainer.completed_step, trainer.completed_rng
         if rng is not None or not stop.within_step:
-            tqdm.write(f"stopping after step {run.step}: {stop}; writing a checkpoint")
+            say(f"stopping after step {run.step}: {stop}; writing a checkpoint")
             run.checkpoint_if_due(source.state, force=True, rng=rng)
         ended = f"stopped after step {run.step} ({stop})"
         raise SystemExit(stop.exit_code)
@@ -333,7 +334,7 @@ def guard(run: Run, source):
             except Exception as save_err:  # the original error matters more: report this one, raise that one
                 note = f"{failed}; so did its emergency checkpoint ({type(save_err).__name__}: {save_err}); {last}"
         if note:
-            tqdm.write(note, file=sys.stderr)
+            say(note, file=sys.stderr)
         raise
     finally:
         run.engine.shutdown()
@@ -343,7 +344,7 @@ def guard(run: Run, source):
             if exit_code == 0:  # nothing else went wrong: this is the run's error
                 raise
             # the error that stopped the run matters more: report this one, let that one go on
-            tqdm.write(f"also: closing the run's logs failed ({type(close_err).__name__}: {close_err})",
+            say(f"also: closing the run's logs failed ({type(close_err).__name__}: {close_err})",
                        file=sys.stderr)
         if ended:
             print(records.summary(ended), flush=True)

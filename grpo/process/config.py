@@ -14,6 +14,7 @@ from grpo.tasks.tool_env import check_turn_config
 from grpo.tasks.user_rewards import parse_spec
 
 VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+TRACKERS = ("wandb", "tensorboard", "mlflow", "csv")  # logger=: each through TorchRL's logger (grpo.loop.trackers)
 
 
 def validate_config(cfg) -> None:
@@ -132,7 +133,9 @@ def validate_config(cfg) -> None:
          f"{cfg.inference_model.backend!r}; use transformers or vllm.")
     need(im.vllm_log_level in VLLM_LOG_LEVELS, f"inference_model.vllm_log_level={im.vllm_log_level!r}; use one of "
          f"{', '.join(VLLM_LOG_LEVELS)}.")
-    need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")
+    names = [cfg.logger] if isinstance(cfg.logger, str) else list(cfg.logger) if OmegaConf.is_list(cfg.logger) else [None]
+    need(all(name in (*TRACKERS, "none") for name in names) and len(set(names)) == len(names), f"logger={cfg.logger!r}; "
+         f"use one of {', '.join(TRACKERS)} or none, or a list of them (logger=[tensorboard,csv]).")
     need(t.num_collectors >= 1, f"train.num_collectors={t.num_collectors} must be >= 1.")
     need(t.buffer_size >= 0, f"train.buffer_size={t.buffer_size} must be >= 0 (batches the async FIFO holds "
          "beyond one a worker).")
