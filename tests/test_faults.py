@@ -36,7 +36,7 @@ from conftest import REPO, TINY_DATA, TINY_MODEL, compose, wait_for
 from grpo.loop.logger import RunLogger, read_metrics
 from grpo.loop.records import RunRecords
 from grpo.loop.resume import find_checkpoint
-from grpo.loop.run import checkpoints_at_once
+from grpo.loop.records import checkpoints_at_once
 from grpo.process.config import validate_config
 from grpo.process.errors import (CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout,
                                  RunDirError)

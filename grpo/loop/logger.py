@@ -9,6 +9,7 @@ row up to its last step. wandb runs offline when no API key is configured.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import warnings
 from pathlib import Path
@@ -24,8 +25,10 @@ from grpo.training.batch import group_ids
 # metrics.png: one panel per entry, its metrics as lines (eval rows as markers, with error bars where a
 # <name>_stderr is logged). Held-out accuracy sits beside its strict and flexible forms, and reply length and
 # truncation beside their eval values, so a recipe that learns a format and drops its reasoning shows in one
-# look; eval/gain is the accuracy gained since the first eval, on the same problems.
-PANELS = [("reward",), ("eval/accuracy", "eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate"),
+# look; eval/gain is the accuracy gained since the first eval, on the same problems. A name may be a pattern
+# (fnmatch): eval/pass@k's k is eval.samples_per_problem.
+PANELS = [("reward",), ("eval/accuracy", "eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate",
+                       "eval/pass@*", "eval/avg@*"),
           ("eval/gain",), ("kl_to_ref",), ("loss_objective",), ("clip_fraction",), ("ess",), ("entropy",),
           ("response_length", "eval/response_length"), ("response_truncated_fraction", "eval/truncated_fraction"),
           ("grad_norm",)]
@@ -205,7 +208,8 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    panels = [[n for n in panel if any(n in r for r in rows)] for panel in PANELS]
+    names = sorted({name for row in rows for name in row if not name.endswith("_stderr")})
+    panels = [[n for pattern in panel for n in fnmatch.filter(names, pattern)] for panel in PANELS]
     panels = [panel for panel in panels if panel]
     if not panels:
         return

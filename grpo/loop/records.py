@@ -12,6 +12,7 @@ import torch
 from grpo.export import export_model
 from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.loop.trackers import TRACKER_DIRS, tracker_names
 from grpo.process.console import say
 from grpo.training import checkpoint as ckpt
 
@@ -20,6 +21,22 @@ def checkpoint_note(last_checkpoint: tuple[int, Path] | None, run_dir: Path) -> 
     """Where a run can be continued from, for a line saying how it ended."""
     return f"the last checkpoint is {last_checkpoint[1]} (resume={run_dir})" if last_checkpoint else \
         "this run has no checkpoint"
+
+
+def trajectory(rows: list[dict], name: str) -> str:
+    """``first 0.324 (step 0) -> best 0.793 (step 30) -> last 0.793 (step 30)``: ``name`` over the eval rows."""
+    evals = [(row["step"], row[name]) for row in rows if name in row]
+    marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
+    return " -> ".join(f"{mark} {value:.3f} (step {step})" for mark, (step, value) in marks.items())
+
+
+def checkpoints_at_once(cfg, start_step: int, written: int) -> int:
+    """The most checkpoints a run from ``start_step`` holds on disk at once, ``written`` (by a run it resumes)
+    included: each new one is written before ``logging.keep_last`` prunes the oldest; at least one more."""
+    freq, total = cfg.train.checkpoint_frequency, cfg.train.total_steps
+    due = {s for s in range(start_step + 1, total + 1) if freq and s % freq == 0} | {total}
+    keep_last = cfg.logging.keep_last
+    return max(written + 1, min(keep_last, written + len(due) - 1) + 1 if keep_last else written + len(due))
 
 
 def graphs_compiled() -> int:
@@ -36,6 +53,7 @@ class RunRecords:
         self.run_dir, self.resolved_config, self.logger, self.gpu_ids = run_dir, resolved_config, logger, gpu_ids
         self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
         self.last_checkpoint = last_checkpoint
+        self.trackers = tracker_names(cfg.logger)  # where the summary points
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
         self.graphs_before = 0  # graphs_compiled() when the step started
@@ -82,14 +100,14 @@ class RunRecords:
         """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""
         run_dir = self.run_dir
         rows = [row for row in read_metrics(run_dir / "metrics.jsonl") if "eval/accuracy" in row]
-        evals = [(row["step"], row["eval/accuracy"]) for row in rows]
-        if evals:
-            marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
-            accuracy = " -> ".join(f"{mark} {acc:.3f} (step {step})" for mark, (step, acc) in marks.items())
+        if rows:
+            accuracy = trajectory(rows, "eval/accuracy")
             if "eval/gain" in rows[-1]:  # the last against the first, on the same problems: its paired error
                 accuracy += f": {gain_text(rows[-1])}"
         else:
             accuracy = "no eval ran"
+        sampled = [name for name in (rows[-1] if rows else {}) if name.startswith(("eval/pass@", "eval/avg@"))
+                   and not name.endswith("_stderr")]  # eval.samples_per_problem's
         plot = run_dir / "metrics.png"
         path = self.last_checkpoint[1] if self.last_checkpoint else None  # eval only: the one evaluated, if any
         checkpoint = f"{path} (resume={path.parent.parent} continues from it)" if path else "none"
@@ -98,7 +116,10 @@ class RunRecords:
         return "\n".join([
             f"run {ended}: {run_dir}",
             f"  eval accuracy  {accuracy}",
+            *(f"  {'eval ' + name.removeprefix('eval/'):<15}{trajectory(rows, name)}" for name in sampled),
             f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
+            *([f"  loggers        {', '.join(f'{name} {run_dir / TRACKER_DIRS[name]}' for name in self.trackers)}"]
+              if self.trackers else []),
             f"  checkpoint     {checkpoint}",
             f"  export         {export}",
         ])

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from grpo.process.config import TRACKERS
 
+TRACKER_DIRS = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlruns", "csv": "csv"}  # in the run dir
+
 
 def tracker_names(value) -> list[str]:
     """``logger=``'s trackers: one name, a list of names, or none."""
@@ -88,15 +90,27 @@ def start_trackers(cfg, run_dir: Path, resolved_config: dict, wandb_run_id: str 
         if kind == "wandb":
             logger = _wandb_logger(cfg, run_dir, resolved_config, wandb_run_id)
         elif kind == "tensorboard":
-            logger = TensorboardLogger(exp_name="tensorboard", log_dir=str(run_dir))
+            logger = TensorboardLogger(exp_name=TRACKER_DIRS[kind], log_dir=str(run_dir))
         elif kind == "csv":
-            logger = CSVLogger(exp_name="csv", log_dir=str(run_dir))
+            logger = CSVLogger(exp_name=TRACKER_DIRS[kind], log_dir=str(run_dir))
         else:
-            # MLflow 3.10+ refuses a file store unless asked: a folder in the run dir needs no database or server
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            logger = MLFlowLogger(exp_name=cfg.logging.experiment_name, tracking_uri=(run_dir / "mlruns").as_uri())
+            logger = MLFlowLogger(exp_name=_mlflow_experiment(cfg.logging.experiment_name, run_dir / TRACKER_DIRS[kind]),
+                                  tracking_uri=(run_dir / TRACKER_DIRS[kind]).as_uri())
         trackers.append(Tracker(kind, logger))
     return trackers
+
+
+def _mlflow_experiment(name: str, store: Path) -> str:
+    """``name``, made in the file store ``store`` if new, with MLflow's own artifact place (inside its folder).
+    TorchRL's would put run folders at the store's top, which MLflow's readers then take for broken experiments."""
+    import mlflow
+
+    # MLflow 3.10+ refuses a file store unless asked: a folder in the run dir needs no database or server
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    mlflow.set_tracking_uri(store.as_uri())
+    if mlflow.get_experiment_by_name(name) is None:
+        mlflow.create_experiment(name)
+    return name
 
 
 def wandb_naming(experiment_name: str, hydra_cfg) -> dict:

@@ -179,6 +179,11 @@ def validate_config(cfg) -> None:
              f"{im.max_model_len} (the context both engines are sized for); raise "
              f"inference_model.max_model_len to at least {value} plus the longest prompt.")
     need(cfg.eval.frequency >= 0, f"eval.frequency={cfg.eval.frequency} must be >= 0 (0 = only before and after).")
+    k, temperature = cfg.eval.samples_per_problem, cfg.eval.temperature
+    need(type(k) is int and k >= 0, f"eval.samples_per_problem={k!r} must be a whole number >= 0 (replies sampled a "
+         "problem for eval/pass@k; 0 or 1 = off).")
+    need(isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0,
+         f"eval.temperature={temperature!r} must be a number > 0 (the sampled eval's temperature).")
     need(t.checkpoint_frequency >= 0, f"train.checkpoint_frequency={t.checkpoint_frequency} must be >= 0 (0 = only "
          "at the end).")
     need(cfg.logging.keep_last is None or cfg.logging.keep_last >= 0, f"logging.keep_last={cfg.logging.keep_last} "

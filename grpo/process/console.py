@@ -15,3 +15,16 @@ def say(text: str, file=None) -> None:
     with tqdm.external_write_mode(file=file):
         file.write(text + "\n")
         file.flush()
+
+
+def quiet_libraries() -> None:
+    """Progress bars no user acts on: datasets' over a local file it converts ("Generating train split") and
+    transformers' over weights read from disk ("Loading weights"); the run says what it loads instead. The hub's
+    download bars stay: they explain a first run's long wait."""
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.enable_progress_bars()  # which transformers' call turned off
