@@ -94,8 +94,8 @@ def start_trackers(cfg, run_dir: Path, resolved_config: dict, wandb_run_id: str 
         elif kind == "csv":
             logger = CSVLogger(exp_name=TRACKER_DIRS[kind], log_dir=str(run_dir))
         else:
-            logger = MLFlowLogger(exp_name=_mlflow_experiment(cfg.logging.experiment_name, run_dir / TRACKER_DIRS[kind]),
-                                  tracking_uri=(run_dir / TRACKER_DIRS[kind]).as_uri())
+            store = run_dir / TRACKER_DIRS[kind]
+            logger = MLFlowLogger(exp_name=_mlflow_experiment(cfg.logging.experiment_name, store), tracking_uri=store.as_uri())
         trackers.append(Tracker(kind, logger))
     return trackers
 
