@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from grpo.inference.generation import EngineSettings, as_state_dict, tensor_place
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
-from grpo.process.console import say
+from grpo.process.console import quiet_libraries, say
 from grpo.process.errors import UserError
 from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share
 from grpo.process.setup import freeze_long_lived_objects, raise_if_stop_signalled, ray_pythonpath
@@ -56,6 +56,7 @@ class RolloutWorker:
         from grpo.training.models import configure_torch, load_tokenizer
 
         set_list_to_stack(True).set()
+        quiet_libraries()  # Ray forwards a worker's output to the driver's console, through its progress bar
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
