@@ -74,6 +74,10 @@ def test_every_key_has_a_comment(name):
     ("train.is_high=0.9", r"train.is_low=0.5 and train.is_high=0.9 must bound .* 0 <= is_low <= 1 <= is_high"),
     ("eval.max_new_tokens=0", r"eval.max_new_tokens=0 must be a whole number >= 1"),
     ("train.checkpoint_frequency=-1", r"train.checkpoint_frequency=-1 must be >= 0"),  # was: a checkpoint every step
+    ("logger=tensorbord", r"logger='tensorbord'; use one of wandb, tensorboard, mlflow, csv or none, or a list"),
+    ("logger=[csv,csv]", r"logger=.*'csv', 'csv'.*; use one of"),
+    ("eval.samples_per_problem=-2", r"eval.samples_per_problem=-2 must be a whole number >= 0"),
+    ("eval.temperature=0", r"eval.temperature=0 must be a number > 0"),
     ("logging.keep_last=-1", r"logging.keep_last=-1 must be >= 0 \(0 or null: keep every checkpoint\)"),
     ("inference_model.gpu_memory_utilization=1.5", r"inference_model.gpu_memory_utilization=1.5 must be in \(0, 1\]"),    ("inference_model.vllm_log_level=LOUD", r"inference_model.vllm_log_level='LOUD'; use one of DEBUG, INFO, WARNING"),
 ])

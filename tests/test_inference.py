@@ -199,3 +199,17 @@ def test_inference_model_compact_rows_reaches_the_decode_loop_and_replies_come_b
         ends = torch.isin(reply, torch.tensor(stop_ids)).nonzero()[:, 0].tolist()
         assert ends == [len(reply) - 1] or (not ends and len(reply) == 48)
         assert (log_probs < 0).all()
+
+
+def test_the_sampled_eval_samples_at_eval_temperature_with_the_eval_cap(tiny_model_dir, tiny_data_dir):
+    """eval.samples_per_problem's replies: sampled as rollouts are (top_p, top_k) but at eval.temperature, cut at
+    eval.max_new_tokens; the greedy eval and the rollouts keep their own."""
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}", "eval.temperature=0.6",
+                                "eval.max_new_tokens=12", "inference_model.top_p=0.9"])
+    tok = load_tokenizer(cfg.model.name)
+    inference = TransformersInference(EngineSettings.from_config(cfg), None, tok, torch.device("cpu"), [tok.eos_token_id])
+    sampled, greedy, rollouts = (p.generate_kwargs for p in (inference.sampled_eval_policy, inference.greedy_policy,
+                                                             inference.policy))
+    assert (sampled["do_sample"], sampled["temperature"], sampled["top_p"], sampled["max_new_tokens"]) == (True, 0.6, 0.9, 12)
+    assert not greedy["do_sample"] and greedy["max_new_tokens"] == 12
+    assert (rollouts["temperature"], rollouts["max_new_tokens"]) == (1.0, 24)

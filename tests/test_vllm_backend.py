@@ -303,7 +303,7 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
         assert tokenizer.pad_token_id in stop_ids and tokenizer.eos_token_id in stop_ids
         for params in inf.sampling_params.values():
             assert sorted(params.stop_token_ids) == stop_ids
-        assert inf.sampling_params[False].top_k in (0, -1)
+        assert inf.sampling_params[cfg.inference_model.temperature].top_k in (0, -1)
         handed = []
         inf.on_sampled = lambda prompts, replies: handed.append((prompts, replies))
         with set_list_to_stack(True):

@@ -51,10 +51,12 @@ class TransformersInference(EnginePolicies):
                                               cache_bucket=s.cache_bucket,
                                               compact_rows=s.compact_rows, filled_slots=s.filled_slots,
                                               fuse_shared=s.fuse_shared, sampler_kernel=s.sampler_kernel)
-        self.policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
-            s, tokenizer, greedy=False, max_new_tokens=s.max_new_tokens, stop_ids=stop_ids))
-        self.greedy_policy = make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
-            s, tokenizer, greedy=True, max_new_tokens=s.eval_max_new_tokens, stop_ids=stop_ids))
+        self.policy, self.greedy_policy, self.sampled_eval_policy = (
+            make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
+                s, tokenizer, greedy=greedy, max_new_tokens=cap, stop_ids=stop_ids, temperature=temperature))
+            for greedy, cap, temperature in ((False, s.max_new_tokens, s.temperature),
+                                             (True, s.eval_max_new_tokens, None),
+                                             (False, s.eval_max_new_tokens, s.eval_temperature)))
         self.version = None
         if policy_model is not None:
             self.push_weights(policy_model, version=0)

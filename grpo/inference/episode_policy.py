@@ -288,8 +288,9 @@ def pad_prompts(prompts: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor,
 
 
 class EnginePolicies:
-    """What an engine with two ``EpisodePolicy``s (``policy`` samples rollouts, ``greedy_policy`` evaluates)
-    forwards to them: ``turn_env`` (both answer through it) and ``on_sampled`` (the rollouts')."""
+    """What an engine with three ``EpisodePolicy``s (``policy`` samples rollouts, ``greedy_policy`` and
+    ``sampled_eval_policy`` evaluate) forwards to them: ``turn_env`` (all answer through it) and ``on_sampled``
+    (the rollouts')."""
 
     @property
     def turn_env(self) -> TurnEnv | None:
@@ -297,7 +298,7 @@ class EnginePolicies:
 
     @turn_env.setter
     def turn_env(self, env: TurnEnv | None) -> None:
-        self.policy.turn_env = self.greedy_policy.turn_env = env
+        self.policy.turn_env = self.greedy_policy.turn_env = self.sampled_eval_policy.turn_env = env
 
     @property
     def on_sampled(self):

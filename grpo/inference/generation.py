@@ -30,8 +30,9 @@ class EngineSettings:
     backend: str                  # transformers or vllm
     dtype: str                    # on a GPU; the CPU always float32
     max_new_tokens: int           # rollouts' reply cap
-    eval_max_new_tokens: int      # greedy eval's reply cap
+    eval_max_new_tokens: int      # eval's reply cap
     temperature: float
+    eval_temperature: float       # the sampled eval's (eval.samples_per_problem)
     top_p: float
     top_k: int                    # 0 = off
     compile: bool                 # transformers: the decode step as a CUDA graph
@@ -52,7 +53,8 @@ class EngineSettings:
     def from_config(cls, cfg) -> EngineSettings:
         im = cfg.inference_model
         return cls(model_name=cfg.model.name, backend=im.backend, dtype=im.dtype, max_new_tokens=im.max_new_tokens,
-                   eval_max_new_tokens=cfg.eval.max_new_tokens, temperature=im.temperature, top_p=im.top_p,
+                   eval_max_new_tokens=cfg.eval.max_new_tokens, temperature=im.temperature,
+                   eval_temperature=cfg.eval.temperature, top_p=im.top_p,
                    top_k=im.top_k, compile=im.compile, compile_prefill=im.compile_prefill, cache_bucket=im.cache_bucket,
                    compact_rows=im.compact_rows, sampler_kernel=im.sampler_kernel,
                    filled_slots=im.filled_slots, fuse_shared=im.fuse_shared,
@@ -66,7 +68,8 @@ class InferenceEngine(Protocol):
     """A generation engine as the scripts, eval and rollout workers use it, whatever its backend
     (``grpo.inference.engine.TransformersInference``, ``grpo.inference.vllm_backend.VLLMInference``).
 
-    ``policy`` samples rollouts and ``greedy_policy`` evaluates: TorchRL policies taking chat histories
+    ``policy`` samples rollouts, ``greedy_policy`` evaluates and ``sampled_eval_policy`` samples eval replies at
+    ``eval.temperature`` (pass@k): TorchRL policies taking chat histories
     and returning replies with their sampled tokens' log-probs. ``version`` is the weights version last
     pushed (``None``: the model files' weights, none pushed yet). ``generate_s``: the seconds spent so far
     inside the engine's own generate calls (both policies'); the rest of a collection is the policy around them
@@ -78,6 +81,7 @@ class InferenceEngine(Protocol):
 
     policy: object
     greedy_policy: object
+    sampled_eval_policy: object
     version: int | None
     generate_s: float
     on_sampled: object
@@ -93,8 +97,9 @@ class InferenceEngine(Protocol):
 
 
 def generate_kwargs(settings: EngineSettings, tokenizer, *, greedy: bool, max_new_tokens: int,
-                    stop_ids: list[int]) -> dict:
-    """``generate`` options for rollouts (sampled) or eval (greedy), with every sampling knob explicit.
+                    stop_ids: list[int], temperature: float | None = None) -> dict:
+    """``generate`` options for rollouts (sampled) or eval (greedy, or sampled at ``temperature``), with every
+    sampling knob explicit.
 
     ``pad_token_id`` is the tokenizer's: a model's ``generation_config`` may pad with another id
     (SmolLM2 pads with its eos), and TorchRL strips only the tokenizer's pad from replies, so
@@ -105,7 +110,8 @@ def generate_kwargs(settings: EngineSettings, tokenizer, *, greedy: bool, max_ne
     if greedy:
         return {**common, "do_sample": False}
     s = settings
-    return {**common, "do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+    return {**common, "do_sample": True, "temperature": s.temperature if temperature is None else temperature,
+            "top_p": s.top_p, "top_k": s.top_k}
 
 
 def inference_state_dict(policy_model) -> dict[str, torch.Tensor]:

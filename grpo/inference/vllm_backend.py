@@ -303,22 +303,23 @@ class VLLMInference(EnginePolicies):
         # eos_token_id and pad_token_id are transformers' names; vLLM pads nothing and stops on stop_token_ids;
         # logprobs=0: the sampled token's log-prob alone; top_k 0 is transformers' "off", vLLM's is -1
         vllm = import_vllm()
-        self.sampling_params = {greedy: vllm.SamplingParams(
-            temperature=0.0 if greedy else im.temperature, top_p=1.0 if greedy else im.top_p,
-            top_k=-1 if greedy or im.top_k == 0 else im.top_k, stop_token_ids=list(stop_ids), logprobs=0,
-            detokenize=False) for greedy in (False, True)}
+        self.sampling_params = {t: vllm.SamplingParams(  # by temperature: 0 is greedy (eval)
+            temperature=t, top_p=1.0 if t == 0 else im.top_p, top_k=-1 if t == 0 or im.top_k == 0 else im.top_k,
+            stop_token_ids=list(stop_ids), logprobs=0, detokenize=False)
+            for t in {im.temperature, 0.0, im.eval_temperature}}
         self.generate_s = 0.0
-        self.policy, self.greedy_policy = (
-            EpisodePolicy(partial(self.sample, greedy=greedy), tokenizer, max_new_tokens=cap, stop_ids=stop_ids,
+        self.policy, self.greedy_policy, self.sampled_eval_policy = (
+            EpisodePolicy(partial(self.sample, temperature=t), tokenizer, max_new_tokens=cap, stop_ids=stop_ids,
                           pad_id=tokenizer.pad_token_id)
-            for greedy, cap in ((False, im.max_new_tokens), (True, im.eval_max_new_tokens)))
+            for t, cap in ((im.temperature, im.max_new_tokens), (0.0, im.eval_max_new_tokens),
+                           (im.eval_temperature, im.eval_max_new_tokens)))
         self.version = None
         if policy_model is not None:
             self.push_weights(policy_model, version=0)
 
-    def sample(self, prompts: list[torch.Tensor], max_new_tokens: int, *, greedy: bool, batch_rows: int):
+    def sample(self, prompts: list[torch.Tensor], max_new_tokens: int, *, temperature: float, batch_rows: int):
         """Each prompt's reply (token ids, through its stop token) and its log-probs, CPU; any number of rows."""
-        params = self.sampling_params[greedy].clone()
+        params = self.sampling_params[temperature].clone()
         params.max_tokens = max_new_tokens
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params, use_tqdm=False)
@@ -342,7 +343,7 @@ class VLLMInference(EnginePolicies):
 
     def shutdown(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
-        self.policy = self.greedy_policy = None
+        self.policy = self.greedy_policy = self.sampled_eval_policy = None
         if llm is not None:
             del llm
             import gc

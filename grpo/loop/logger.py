@@ -1,23 +1,25 @@
 """Run outputs: ``metrics.jsonl`` (one JSON object per logged step), ``samples.jsonl`` (replies
-to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), wandb, and plots.
+to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), plots, and the same rows
+to ``logger=``'s trackers (``grpo.loop.trackers``: wandb, TensorBoard, MLflow, CSV).
 
 Each row is written and flushed as soon as it is logged, so a killed run keeps every
 row up to its last step. Each write first checks that the run dir is still where it was: one deleted or
 moved under the run gets its files written back in place, and the run stops (``RunDirError``). wandb runs
-offline when no API key is configured; ``logger=none`` turns it off.
+offline when no API key is configured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
-import os
 import warnings
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from grpo.loop.trackers import start_trackers
+from grpo.process.console import say
 from grpo.process.errors import RunDirError
 from grpo.rollout.replies import Replies
 from grpo.training.batch import group_ids
@@ -25,8 +27,10 @@ from grpo.training.batch import group_ids
 # metrics.png: one panel per entry, its metrics as lines (eval rows as markers, with error bars where a
 # <name>_stderr is logged). Held-out accuracy sits beside its strict and flexible forms, and reply length and
 # truncation beside their eval values, so a recipe that learns a format and drops its reasoning shows in one
-# look; eval/gain is the accuracy gained since the first eval, on the same problems.
-PANELS = [("reward",), ("eval/accuracy", "eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate"),
+# look; eval/gain is the accuracy gained since the first eval, on the same problems. A name may be a pattern
+# (fnmatch): eval/pass@k's k is eval.samples_per_problem.
+PANELS = [("reward",), ("eval/accuracy", "eval/strict_accuracy", "eval/flexible_accuracy", "eval/answer_rate",
+                       "eval/pass@*", "eval/avg@*"),
           ("eval/gain",), ("kl_to_ref",), ("loss_objective",), ("clip_fraction",), ("ess",), ("entropy",),
           ("response_length", "eval/response_length"), ("response_truncated_fraction", "eval/truncated_fraction"),
           ("grad_norm",)]
@@ -42,40 +46,32 @@ class RunLogger:
         self._file = open(self.path, "a+", buffering=1)  # a+: readable, for putting it back (_put_back)
         self._samples_file = None  # opened at the first samples: a run that logs none gets no file
         self._eval_scores_file = None  # likewise, at the first eval
-        self._samples_table = None
         # the run's config record (what resume=auto finds it by): small, held to be put back too
         self._hydra = {p: p.read_bytes() for p in sorted((self.run_dir / ".hydra").glob("*.yaml"))}
         self.failed = False  # a write failed (and said so): closing then only lets go of the files
-        self.wandb = None
-        if cfg.logger == "wandb":
-            self.wandb = _start_wandb(cfg, self.run_dir, resolved_config, wandb_run_id)
+        self.trackers = start_trackers(cfg, self.run_dir, resolved_config, wandb_run_id)
 
     @property
     def wandb_run_id(self) -> str | None:
-        return self.wandb.id if self.wandb is not None else None
+        return next((t.logger.experiment.id for t in self.trackers if t.kind == "wandb"), None)
 
     def log(self, row: dict) -> None:
         row = {k: (float(v) if hasattr(v, "item") else v) for k, v in row.items()}
         self._write(self._file, json.dumps(row) + "\n")
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
+        for tracker in self.trackers:
+            tracker.log(row)
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        """Replies to read (``reply_samples``' rows): appended to ``samples.jsonl``, printed in short, and added
-        to the wandb table ``samples``."""
+        """Replies to read (``reply_samples``' rows): appended to ``samples.jsonl``, printed in short, and given to
+        the trackers (wandb's table ``samples``, the others the printed text)."""
         rows = [{"step": step, **sample} for sample in samples]
         if self._samples_file is None:
             self._samples_file = self._open_for_append("samples.jsonl")
         self._write(self._samples_file, "".join(json.dumps(row) + "\n" for row in rows))
-        tqdm.write("\n".join(console_lines(step, rows)))
-        if self.wandb is not None:
-            import wandb
-
-            if self._samples_table is None:  # one table for the run; each log uploads only the new rows
-                self._samples_table = wandb.Table(columns=SAMPLE_COLUMNS, log_mode="INCREMENTAL")
-            for row in rows:
-                self._samples_table.add_data(*(row[c] for c in SAMPLE_COLUMNS))
-            self.wandb.log({"samples": self._samples_table}, step=step)
+        text = "\n".join(console_lines(step, rows))
+        say(text)
+        for tracker in self.trackers:
+            tracker.samples(step, rows, SAMPLE_COLUMNS, text)
 
     def log_eval_scores(self, step: int, scores: list[float]) -> None:
         """Appends one eval's per-problem scores to ``eval_scores.jsonl``, in problem order (every eval of a run
@@ -155,14 +151,18 @@ class RunLogger:
             except OSError as err:
                 if not self.failed:  # a failed write said so already; its buffered rest fails again here
                     raise self._failure(Path(file.name), err) from err
-        if self.wandb is not None:
-            self.wandb.finish(exit_code=exit_code)
-            self.wandb = None
+        png = self.run_dir / "metrics.png"
         try:
             if not self.failed:  # its disk, full, just failed a write
-                plot_metrics(self.path, self.run_dir / "metrics.png")
+                plot_metrics(self.path, png)
         except OSError as err:  # a plot: metrics.jsonl holds what it shows
             warnings.warn(f"metrics.png not written ({err.strerror or err}); metrics.jsonl holds the same rows")
+        trackers, self.trackers = self.trackers, []
+        last_step = max((row["step"] for row in read_metrics(self.path)), default=0) if not self.failed else 0
+        for tracker in trackers:
+            if png.exists() and not self.failed:
+                tracker.image("metrics", png, last_step)
+            tracker.close(exit_code)
 
 
 def reply_samples(replies: Replies, count: int, tokenizer) -> list[dict]:
@@ -203,42 +203,6 @@ def console_lines(step: int, rows: list[dict]) -> list[str]:
 def _one_line(text: str) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= CONSOLE_WIDTH else flat[:CONSOLE_WIDTH - 1] + "…"
-
-
-def wandb_naming(experiment_name: str, hydra_cfg) -> dict:
-    """wandb.init's name, group and notes: a sweep job (``--multirun``) is ``<experiment_name>-<job number>``
-    in the group of its sweep dir, its overrides in the notes; a single run is ``experiment_name``, in no group."""
-    from hydra.types import RunMode
-
-    if hydra_cfg.mode != RunMode.MULTIRUN:
-        return {"name": experiment_name}
-    # The overrides would make distinct names too, but with paths in them they pass the 128 characters wandb
-    # takes; for the group, the end of the sweep dir (its time) matters most.
-    return {"name": f"{experiment_name}-{hydra_cfg.job.num}", "notes": hydra_cfg.job.override_dirname,
-            "group": f"{experiment_name} {hydra_cfg.sweep.dir}"[-128:]}
-
-
-def _start_wandb(cfg, run_dir: Path, resolved_config: dict, run_id: str | None):
-    import wandb
-    from hydra.core.hydra_config import HydraConfig
-
-    mode = cfg.wandb.mode
-    if mode == "auto":
-        mode = "online" if (os.environ.get("WANDB_API_KEY") or _has_netrc_key()) else "offline"
-    # wandb advertises Weave whenever openai is imported (vLLM and others import it); no use to a GRPO run
-    os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
-    naming = wandb_naming(cfg.logging.experiment_name, HydraConfig.get())
-    return wandb.init(
-        project=cfg.wandb.project, entity=cfg.wandb.entity, **naming, dir=str(run_dir), config=resolved_config,
-        mode=mode, id=run_id, resume="allow" if run_id else None,
-        # quiet: where the run is saved, but no history and summary dump at the end (metrics.jsonl has them)
-        settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True),
-    )
-
-
-def _has_netrc_key() -> bool:
-    netrc = Path.home() / ".netrc"
-    return netrc.exists() and "api.wandb.ai" in netrc.read_text(errors="ignore")
 
 
 @contextlib.contextmanager
@@ -293,7 +257,8 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)
-    panels = [[n for n in panel if any(n in r for r in rows)] for panel in PANELS]
+    names = sorted({name for row in rows for name in row if not name.endswith("_stderr")})
+    panels = [[n for pattern in panel for n in fnmatch.filter(names, pattern)] for panel in PANELS]
     panels = [panel for panel in panels if panel]
     if not panels:
         return

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from grpo.export import export_model
 from grpo.loop.best import BestCheckpoint
@@ -16,6 +15,8 @@ from grpo.loop.disk_room import HeldRoom
 from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
 from grpo.process.errors import RunDirError
+from grpo.loop.trackers import TRACKER_DIRS, tracker_names
+from grpo.process.console import say
 from grpo.training import checkpoint as ckpt
 
 
@@ -23,6 +24,13 @@ def checkpoint_note(last_checkpoint: tuple[int, Path] | None, run_dir: Path) -> 
     """Where a run can be continued from, for a line saying how it ended."""
     return f"the last checkpoint is {last_checkpoint[1]} (resume={run_dir})" if last_checkpoint else \
         "this run has no checkpoint"
+
+
+def trajectory(rows: list[dict], name: str) -> str:
+    """``first 0.324 (step 0) -> best 0.793 (step 30) -> last 0.793 (step 30)``: ``name`` over the eval rows."""
+    evals = [(row["step"], row[name]) for row in rows if name in row]
+    marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
+    return " -> ".join(f"{mark} {value:.3f} (step {step})" for mark, (step, value) in marks.items())
 
 
 def graphs_compiled() -> int:
@@ -40,6 +48,7 @@ class RunRecords:
         self.run_dir, self.resolved_config, self.logger, self.gpu_ids = run_dir, resolved_config, logger, gpu_ids
         self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
         self.last_checkpoint, self.room = last_checkpoint, room
+        self.trackers = tracker_names(cfg.logger)  # where the summary points
         self.best = BestCheckpoint(cfg, run_dir, read_metrics(logger.path))
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
@@ -81,7 +90,7 @@ class RunRecords:
         finally:
             self.room.take()
         self.last_checkpoint = (step, path)
-        tqdm.write(f"step {step}: checkpoint {path}")
+        say(f"step {step}: checkpoint {path}")
 
     def after_eval(self, step: int, accuracy: float, trainer, counters: dict) -> None:
         """A collapse warns; a new best held-out accuracy keeps this step's weights (``logging.keep_best``)."""
@@ -113,22 +122,22 @@ class RunRecords:
         export_dir = self.run_dir / "export"
         shutil.rmtree(export_dir, ignore_errors=True)
         self.export_dir = export_model(policy_model, tokenizer, export_dir, state=weights)
-        tqdm.write(f"step {step}: exported the policy to {export_dir}")
+        say(f"step {step}: exported the policy to {export_dir}")
 
     def summary(self, ended: str) -> str:
         """Where a run left its outputs, and how its held-out accuracy went: first -> best -> last eval."""
         run_dir = self.run_dir
         every_row = read_metrics(run_dir / "metrics.jsonl")
         rows = [row for row in every_row if "eval/accuracy" in row]
-        evals = [(row["step"], row["eval/accuracy"]) for row in rows]
-        if evals:
-            marks = {"first": evals[0], "best": max(evals, key=lambda e: e[1]), "last": evals[-1]}
-            accuracy = " -> ".join(f"{mark} {acc:.3f} (step {step})" for mark, (step, acc) in marks.items())
+        if rows:
+            accuracy = trajectory(rows, "eval/accuracy")
             if "eval/gain" in rows[-1]:  # the last against the first, on the same problems: its paired error
                 accuracy += f": {gain_text(rows[-1])}"
         else:
             accuracy = "no eval ran"
         skipped = sum(row.get("skipped_optim_steps", 0) for row in every_row)
+        sampled = [name for name in (rows[-1] if rows else {}) if name.startswith(("eval/pass@", "eval/avg@"))
+                   and not name.endswith("_stderr")]  # eval.samples_per_problem's
         plot = run_dir / "metrics.png"
         path = self.last_checkpoint[1] if self.last_checkpoint else None  # eval only: the one evaluated, if any
         checkpoint = f"{path} (resume={path.parent.parent} continues from it)" if path else "none"
@@ -137,7 +146,10 @@ class RunRecords:
         return "\n".join([
             f"run {ended}: {run_dir}",
             f"  eval accuracy  {accuracy}",
+            *(f"  {'eval ' + name.removeprefix('eval/'):<15}{trajectory(rows, name)}" for name in sampled),
             f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
+            *([f"  loggers        {', '.join(f'{name} {run_dir / TRACKER_DIRS[name]}' for name in self.trackers)}"]
+              if self.trackers else []),
             f"  checkpoint     {checkpoint}",
             *([f"  best           {self.best.summary_line()}"] if self.best.path else []),
             f"  export         {export}",

@@ -32,6 +32,7 @@ from grpo.loop.logger import RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.process.config import validate_config, warn_if_too_few_rows
+from grpo.process.console import say
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
@@ -41,7 +42,7 @@ from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested,
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
-from grpo.tasks.envs import load_splits, make_env, task_of
+from grpo.tasks.envs import load_splits, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
@@ -164,6 +165,8 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     check_prompt_lengths(cfg, tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
     check_prompt_text(cfg, tokenizer, splits)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
+    say(f"loading {cfg.model.name}: the policy{', its frozen reference' if cfg.train.use_kl_to_ref else ''} and "
+        f"the {cfg.inference_model.backend} engine")
     trainer = make_trainer(cfg, tokenizer, devices, World.from_env())
     stop_ids = turn_stop_ids(cfg, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config))
     engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
@@ -171,8 +174,6 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     engine.turn_env = make_turn_env(cfg, tokenizer)  # what answers between turns (None: one turn an episode)
     trainer.take_samples_from(engine)  # ref_model.score_early: the reference scores replies as they are sampled
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
-    eval_env = make_env(cfg, tokenizer, split=cfg.env.test_split, repeats=1,
-                        num_envs=min(cfg.eval.batch_size, num_eval_problems), shuffle=False)
     if not eval_only:  # a disk that cannot hold the run's checkpoints would lose every step since the last one
         check_room_at_start(cfg, run_dir, payload["step"] if payload else 0, trainer.trainable_bytes())
     logger = RunLogger(str(run_dir), cfg, config_record,
@@ -181,7 +182,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     logger.log({"step": payload["step"] if payload else 0, "event": event,
                 **{f"devices/{k}": str(v) for k, v in devices.as_dict().items()}})
     counters = payload["counters"] if payload else {"step": 0, "last_eval_step": None}
-    evaluator = Evaluator(cfg, eval_env, engine, num_problems=num_eval_problems, fields=task_of(cfg).eval_fields,
+    evaluator = Evaluator(cfg, tokenizer, engine, num_problems=num_eval_problems, fields=task_of(cfg).eval_fields,
                           last_eval_step=None if eval_only else counters["last_eval_step"])
     if payload:  # eval only: the checkpoint is evaluated here
         trainer.restore(payload, last_checkpoint[1])  # RNG states last of all
@@ -269,6 +270,7 @@ def steps(run: Run):
     cfg = run.cfg
     bar = tqdm(range(run.step + 1, cfg.train.total_steps + 1), desc="GRPO", unit="step",
                disable=not cfg.logging.progress_bar, dynamic_ncols=True)
+    bar.set_postfix_str("the first step: generating, scoring, training (its compiles make it the slowest)")
     for step in bar:
         run.step = step
         with profile_to(str(run.run_dir), step) if step == cfg.logging.profile_step else contextlib.nullcontext():
@@ -299,7 +301,7 @@ def guard(run: Run, source):
         if stop.within_step:  # the step in progress is dropped: the checkpoint is of the last one finished
             run.step, rng = trainer.completed_step, trainer.completed_rng
         if rng is not None or not stop.within_step:
-            tqdm.write(f"stopping after step {run.step}: {stop}; writing a checkpoint")
+            say(f"stopping after step {run.step}: {stop}; writing a checkpoint")
             run.checkpoint_if_due(source.state, force=True, rng=rng)
         ended = f"stopped after step {run.step} ({stop})"
         raise SystemExit(stop.exit_code)
@@ -327,7 +329,7 @@ def guard(run: Run, source):
             except Exception as save_err:  # the original error matters more: report this one, raise that one
                 note = f"{failed}; so did its emergency checkpoint ({type(save_err).__name__}: {save_err}); {last}"
         if note:
-            tqdm.write(note, file=sys.stderr)
+            say(note, file=sys.stderr)
         raise
     finally:
         run.engine.shutdown()
@@ -337,8 +339,7 @@ def guard(run: Run, source):
             if exit_code == 0:  # nothing else went wrong: this is the run's error
                 raise
             # the error that stopped the run matters more: report this one, let that one go on
-            tqdm.write(f"also: closing the run's logs failed ({type(close_err).__name__}: {close_err})",
-                       file=sys.stderr)
+            say(f"also: closing the run's logs failed ({type(close_err).__name__}: {close_err})", file=sys.stderr)
         if ended:
             print(records.summary(ended), flush=True)
         if records.room:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 
@@ -21,6 +22,7 @@ IMPORTANCE_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate",
 def inference_is_cap_now(cap) -> str:
     """What a config or checkpoint of ``train.inference_is_cap=cap`` writes today."""
     return f"train.importance_sampling=token_truncate train.is_high={cap}"
+TRACKERS = ("wandb", "tensorboard", "mlflow", "csv")  # logger=: each through TorchRL's logger (grpo.loop.trackers)
 
 
 def validate_config(cfg) -> None:
@@ -142,7 +144,12 @@ def validate_config(cfg) -> None:
          f"{cfg.inference_model.backend!r}; use transformers or vllm.")
     need(im.vllm_log_level in VLLM_LOG_LEVELS, f"inference_model.vllm_log_level={im.vllm_log_level!r}; use one of "
          f"{', '.join(VLLM_LOG_LEVELS)}.")
-    need(cfg.logger in ("wandb", "none"), f"logger={cfg.logger!r}; use logger=wandb or logger=none.")
+    names = [cfg.logger] if isinstance(cfg.logger, str) else list(cfg.logger) if OmegaConf.is_list(cfg.logger) else [None]
+    need(all(name in (*TRACKERS, "none") for name in names) and len(set(names)) == len(names), f"logger={cfg.logger!r}; "
+         f"use one of {', '.join(TRACKERS)} or none, or a list of them (logger=[tensorboard,csv]).")
+    for name in {"tensorboard", "mlflow"} & set(names):  # the loggers' packages are an extra
+        need(importlib.util.find_spec(name) is not None, f"logger={name} needs the {name} package, which is not "
+             "installed; pip install -e '.[loggers]' (tensorboard, mlflow-skinny).")
     need(t.num_collectors >= 1, f"train.num_collectors={t.num_collectors} must be >= 1.")
     need(t.buffer_size >= 0, f"train.buffer_size={t.buffer_size} must be >= 0 (batches the async FIFO holds "
          "beyond one a worker).")
@@ -190,6 +197,11 @@ def validate_config(cfg) -> None:
              f"{im.max_model_len} (the context both engines are sized for); raise "
              f"inference_model.max_model_len to at least {value} plus the longest prompt.")
     need(cfg.eval.frequency >= 0, f"eval.frequency={cfg.eval.frequency} must be >= 0 (0 = only before and after).")
+    k, temperature = cfg.eval.samples_per_problem, cfg.eval.temperature
+    need(type(k) is int and k >= 0, f"eval.samples_per_problem={k!r} must be a whole number >= 0 (replies sampled a "
+         "problem for eval/pass@k; 0 or 1 = off).")
+    need(isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0,
+         f"eval.temperature={temperature!r} must be a number > 0 (the sampled eval's temperature).")
     need(t.checkpoint_frequency >= 0, f"train.checkpoint_frequency={t.checkpoint_frequency} must be >= 0 (0 = only "
          "at the end).")
     need(cfg.logging.keep_last is None or cfg.logging.keep_last >= 0, f"logging.keep_last={cfg.logging.keep_last} "

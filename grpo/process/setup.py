@@ -22,6 +22,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
+from grpo.process.console import quiet_libraries
 from grpo.process.errors import ConfigError, RunDirError, clear_errors
 from grpo.process.launch import trainer_world
 
@@ -37,6 +38,7 @@ def hydra_main(train, script: str, check: Callable, followers=None) -> None:
     @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "config"), config_name="grpo_gsm8k")
     def main(cfg) -> None:
         set_list_to_stack(True).set()
+        quiet_libraries()
         with clear_errors(), trainer_world(cfg, script, check, followers):
             try:
                 train(cfg)

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 
 from grpo.inference.generation import EngineSettings, as_state_dict, tensor_place
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
+from grpo.process.console import quiet_libraries, say
 from grpo.process.errors import UserError
 from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share
 from grpo.process.setup import freeze_long_lived_objects, raise_if_stop_signalled, ray_pythonpath
@@ -56,6 +57,7 @@ class RolloutWorker:
         from grpo.training.models import configure_torch, load_tokenizer
 
         set_list_to_stack(True).set()
+        quiet_libraries()  # Ray forwards a worker's output to the driver's console, through its progress bar
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
@@ -257,7 +259,7 @@ class RolloutPool:
         self.ledger.release(lost)
         ray.kill(self.workers[worker], no_restart=True)
         if isinstance(err, ray.exceptions.RayTaskError):
-            print(err, file=sys.stderr, flush=True)  # the worker's traceback: what the user needs to fix a raise
+            say(str(err), file=sys.stderr)  # the worker's traceback: what the user needs to fix a raise
         limit = self.cfg.train.max_worker_restarts
         if self.restarts >= limit:
             raise RolloutWorkersLost(f"rollout worker {worker} failed ({failure_reason(err)}) with the run's "
@@ -265,9 +267,9 @@ class RolloutPool:
                                      "memory? killed?), then resume the run")
         self.restarts += 1
         self.wait_for_push()  # a push in flight may be replacing the weights the new worker starts from
-        print(f"rollout worker {worker} failed ({failure_reason(err)}); restart {self.restarts} of {limit}, with "
-              f"weights version {self._weights.version}; its prompt batches {sorted(lost)} are generated again",
-              file=sys.stderr, flush=True)
+        say(f"rollout worker {worker} failed ({failure_reason(err)}); restart {self.restarts} of {limit}, with "
+            f"weights version {self._weights.version}; its prompt batches {sorted(lost)} are generated again",
+            file=sys.stderr)
         self.workers[worker] = self._start_worker(worker)
         self._assign()
 
