@@ -322,9 +322,9 @@ def test_vllm_inference_for_backend_vllm(model_dir, tokenizer, hf_model, llm):
                    for text in ("What is 12 plus 7?", "Hi", "Name three colours.")] * 4
         for cut in ({}, {"top_p": 1.0, "top_k": 2}):  # a request's own parameters: one engine, in "raw" mode
             for key, value in cut.items():
-                setattr(inf.sampling_params[False], key, value)
+                setattr(inf.sampling_params[cfg.inference_model.temperature], key, value)
             sampler, trainer = [], []
-            for prompt, (reply, log_probs) in zip(prompts, inf.sample(prompts, 12, greedy=False)):
+            for prompt, (reply, log_probs) in zip(prompts, inf.sample(prompts, 12, temperature=cfg.inference_model.temperature, batch_rows=len(prompts))):
                 sampler.append(log_probs)
                 trainer.append(hf_logprobs(hf_model, torch.cat([prompt, reply]).tolist())[prompt.numel() - 1:])
             diff = torch.cat(trainer) - torch.cat(sampler)

@@ -9,6 +9,7 @@ imported lazily: importing this module never needs vLLM; starting an engine does
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -346,6 +347,4 @@ class VLLMInference(EnginePolicies):
         self.policy = self.greedy_policy = self.sampled_eval_policy = None
         if llm is not None:
             del llm
-            import gc
-
             gc.collect()

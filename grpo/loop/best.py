@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tqdm import tqdm
+from grpo.process.console import say
 
 COLLAPSE_RATIO = 0.5      # an eval below half the best accuracy...
 COLLAPSE_MARGIN = 0.1     # ...and at least 10 points below it (a small eval's noise near 0 is no collapse)
@@ -42,20 +42,20 @@ class BestCheckpoint:
         """``save(folder)``: write this step's weights into ``folder`` (keeping only them) and return the path."""
         where = f"; the best checkpoint is {self.path}" if self.path else ""
         if self.best and accuracy < COLLAPSE_RATIO * self.best[1] and accuracy <= self.best[1] - COLLAPSE_MARGIN:
-            tqdm.write(f"step {step}: warning: held-out accuracy {accuracy:.3f} is far below its best, "
-                       f"{self.best[1]:.3f} at step {self.best[0]}: the policy may have collapsed (a lower "
-                       f"optimizer.lr?){where}")
+            say(f"step {step}: warning: held-out accuracy {accuracy:.3f} is far below its best, "
+                f"{self.best[1]:.3f} at step {self.best[0]}: the policy may have collapsed (a lower "
+                f"optimizer.lr?){where}")
         if self.skipped_in_a_row >= SKIPPED_IN_A_ROW:
-            tqdm.write(f"step {step}: warning: the last {self.skipped_in_a_row} steps skipped every optimiser step "
-                       f"(non-finite gradients, train.on_nonfinite=skip): nothing is learnt; lower optimizer.lr{where}")
+            say(f"step {step}: warning: the last {self.skipped_in_a_row} steps skipped every optimiser step "
+                f"(non-finite gradients, train.on_nonfinite=skip): nothing is learnt; lower optimizer.lr{where}")
         if self.best is None or accuracy > self.best[1]:
             self.best = (step, accuracy)
             if self.keep:
                 try:
                     self.path, self.kept = save(self.folder), self.best
                 except OSError as err:  # the run's own checkpoints matter more: it goes on without this one
-                    tqdm.write(f"step {step}: warning: its weights (the best held-out accuracy so far) were not kept: "
-                               f"{err} The best kept is {self.path or 'none'}.")
+                    say(f"step {step}: warning: its weights (the best held-out accuracy so far) were not kept: "
+                        f"{err} The best kept is {self.path or 'none'}.")
 
     def summary_line(self) -> str:
         return f"{self.path} (accuracy {self.kept[1]:.3f}; python -m grpo.export {self.path} <out> exports it)"

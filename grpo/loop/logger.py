@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import json
+import os
 import warnings
 from pathlib import Path
 

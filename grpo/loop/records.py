@@ -73,8 +73,8 @@ class RunRecords:
         self.best.count_skips(metrics)
         if metrics.get("skipped_optim_steps"):
             skipped = metrics["skipped_optim_steps"]
-            tqdm.write(f"step {step}: {skipped} of {skipped + metrics['optim_steps']} optimiser steps "
-                       "skipped (a non-finite gradient, train.on_nonfinite=skip)")
+            say(f"step {step}: {skipped} of {skipped + metrics['optim_steps']} optimiser steps "
+                "skipped (a non-finite gradient, train.on_nonfinite=skip)")
         self.postfix = {"reward": f"{metrics['reward']:.3f}", "kl": f"{metrics.get('kl_to_ref', 0):.4f}"}
 
     def save_checkpoint(self, step: int, trainer, counters: dict, extras: dict, rng: dict | None = None) -> None:

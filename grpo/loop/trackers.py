@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from grpo.process.config import TRACKERS
-
 TRACKER_DIRS = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlruns", "csv": "csv"}  # in the run dir
 
 
@@ -19,7 +17,7 @@ def tracker_names(value) -> list[str]:
 
 
 class Tracker:
-    """One TorchRL logger (``kind`` one of ``TRACKERS``): every row's numbers as scalars at its step, replies as
+    """One TorchRL logger (``kind`` one of ``grpo.process.config.TRACKERS``): every row's numbers as scalars at its step, replies as
     text where the tool takes text, the final plot as an image where it takes images."""
 
     def __init__(self, kind: str, logger):
