@@ -208,9 +208,10 @@ def build_model(
     head_dim: int = 32,
     intermediate_size: int = 384,
     max_position_embeddings: int = 512,
+    rope_theta: float = 10000.0,
     seed: int = 0,
 ):
-    """A randomly initialised, tied-embedding ``Qwen2ForCausalLM`` (float32)."""
+    """A randomly initialised, tied-embedding ``Qwen2ForCausalLM`` (float32); ``rope_theta``: Qwen2's default."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if head_dim < 32:
@@ -224,6 +225,7 @@ def build_model(
         num_key_value_heads=num_kv_heads,
         head_dim=head_dim,
         max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_theta": float(rope_theta), "rope_type": "default"},
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
         hidden_act="silu",

@@ -46,8 +46,6 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from grpo.tasks.python_tool import PYTHON_TOOL
 from tools import tiny_model
 from tools.synthetic_tools import expression, parse_answer
@@ -391,15 +389,7 @@ def build_model(
     in 10). Even so, whether the copy comes out exact or only ~75 % right
     (repeated digits confused) depends on the seed.
     """
-    from transformers import Qwen2ForCausalLM
-
-    base = tiny_model.build_model(
+    return tiny_model.build_model(
         tokenizer, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size, seed=seed,
+        intermediate_size=intermediate_size, rope_theta=rope_theta, seed=seed,
     )
-    config = base.config
-    config.rope_parameters = {"rope_theta": float(rope_theta), "rope_type": "default"}
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config = base.generation_config
-    return model
