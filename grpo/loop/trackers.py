@@ -17,8 +17,8 @@ def tracker_names(value) -> list[str]:
 
 
 class Tracker:
-    """One TorchRL logger (``kind`` one of ``grpo.process.config.TRACKERS``): every row's numbers as scalars at its step, replies as
-    text where the tool takes text, the final plot as an image where it takes images."""
+    """One TorchRL logger (``kind`` one of ``grpo.process.config.TRACKERS``): every row's numbers as scalars at its
+    step, replies as text where the tool takes text, the final plot as an image where it takes images."""
 
     def __init__(self, kind: str, logger):
         self.kind, self.logger = kind, logger
