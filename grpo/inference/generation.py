@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from dataclasses import dataclass
 from itertools import chain
 from typing import Protocol, runtime_checkable
@@ -11,15 +9,6 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from grpo.process.world import full, is_sharded
-
-
-@contextlib.contextmanager
-def no_nested_tensor_notice():
-    """TorchRL's wrappers hold unpadded prompt tokens as torch's (prototype-API) nested tensors, and torch says so
-    on the first one: a warning in every run that no user can act on."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors is in prototype stage")
-        yield
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""vLLM generation (``inference_model.backend=vllm``): engine creation, in-place weight pushes, TorchRL policy.
+"""vLLM generation (``inference_model.backend=vllm``): engine creation, in-place weight pushes, the engine.
 
 The engine runs *in-process* (``vllm.LLM``, V1 multiprocessing off), which lets ``push_weights``
 hand the trainer's tensors to the model runner without serialising them. It works with the GPU
@@ -16,11 +16,9 @@ import time
 from functools import partial
 
 import torch
-from torchrl.modules.llm import vLLMWrapper
 
 from grpo.inference.episode_policy import EnginePolicies, EpisodePolicy
-from grpo.inference.generation import (EngineSettings, as_state_dict, no_nested_tensor_notice,
-                                      weights_checksum)
+from grpo.inference.generation import EngineSettings, as_state_dict, weights_checksum
 from grpo.inference.vllm_import import import_vllm
 from grpo.process.errors import ConfigError
 from grpo.training.models import torch_dtype
@@ -106,6 +104,8 @@ def configure_vllm_env(*, device: str | None = None, cpu_kvcache_space_gb: float
     """
     device_is_cpu = _device_is_cpu(device)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not device_is_cpu:  # FlashInfer's sampler JIT-compiles with nvcc at engine start; torch's samples as well
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if device_is_cpu:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"
         if cpu_kvcache_space_gb is None:
@@ -180,6 +180,8 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
     # processed: log-probs after temperature (and top-k/top-p, which VLLMInference asks raw ones for); vLLM's
     # default gives the raw logits'
     llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+    # on Hopper and newer it compiles FlashInfer kernels with nvcc at start: on an H200, still at it after 100 s
+    llm_kwargs.setdefault("enable_flashinfer_autotune", False)
     return vllm.LLM(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                     # explicit: vLLM caches its environment once an engine has started
@@ -218,57 +220,6 @@ def engine_weights_checksum(model: torch.nn.Module, dtype: torch.dtype) -> int:
                 param = module.cpu_linear(identity, param, None)
             tensors.append(param.to(dtype))
     return weights_checksum(tensors)
-
-
-class QuietVLLMWrapper(vLLMWrapper):
-    """TorchRL's vLLM wrapper without vLLM's two progress bars per generate call, which the wrapper has no
-    option for: every batch of every worker printed them. ``generate_s``: seconds inside vLLM's generate so far."""
-
-    generate_s = 0.0
-    on_sampled = None  # the engine's (``InferenceEngine.on_sampled``), set on its sampling policy only
-
-    def forward(self, *args, **kwargs):
-        with no_nested_tensor_notice():
-            return super().forward(*args, **kwargs)
-
-    def _call_generate(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            outputs = super()._call_generate(*args, use_tqdm=False, **kwargs)
-        finally:
-            self.generate_s += time.perf_counter() - start
-        if self.on_sampled is not None:
-            pairs = [(torch.tensor(out.prompt_token_ids), torch.tensor(reply.token_ids))
-                     for out in outputs for reply in out.outputs]
-            self.on_sampled([prompt for prompt, _ in pairs], [reply for _, reply in pairs])
-        return outputs
-
-
-def make_vllm_policy(llm, tokenizer, *, generate_kwargs: dict | None = None, input_mode: str = "history",
-                     **wrapper_kwargs):
-    """TorchRL ``vLLMWrapper`` around ``llm`` that generates and returns response log-probs.
-
-    The result holds ``("log_probs", "response")`` (the sampled tokens' log-probs, of the
-    tempered distribution with an engine from ``make_vllm_engine``), ``tokens``, ``masks``, ``text`` and, for ``input_mode="history"``,
-    ``history``; outputs are unpadded (``pad_output=False``). For greedy evaluation build a
-    second policy on the same engine with ``generate_kwargs={"temperature": 0.0, ...}``
-    (cheap: no engine work). Extra keyword arguments go to ``vLLMWrapper``
-    (``num_samples``, ``chat_template_name``, ``log_probs_key``, ...).
-
-    ``prompt_logprobs`` defaults to ``None`` here (the wrapper's own default asks for them):
-    the generate path does not return them anyway (only ``log_probs.response`` is filled),
-    and any request carrying ``prompt_logprobs`` skips vLLM's prefix cache, so the G
-    samples of a GRPO group each re-prefill the prompt (2.7x slower on a 4x4 batch of
-    ~150-token prompts here). Pass ``generate_kwargs={"prompt_logprobs": 1}`` to restore.
-    """
-    import_vllm()  # the wrapper builds vLLM's SamplingParams; ``llm`` may not come from make_vllm_engine
-    generate_kwargs = dict(generate_kwargs or {})
-    generate_kwargs.setdefault("prompt_logprobs", None)
-    wrapper_kwargs.setdefault("pad_output", False)
-    wrapper_kwargs.setdefault("return_log_probs", True)
-    wrapper_kwargs.setdefault("prefer_tokens", True)  # the env's prompt tokens, where it has them (GroupPromptTokens)
-    return QuietVLLMWrapper(llm, tokenizer=tokenizer, input_mode=input_mode, generate=True,
-                            generate_kwargs=generate_kwargs, **wrapper_kwargs)
 
 
 class VLLMInference(EnginePolicies):
