@@ -182,10 +182,14 @@ def make_vllm_engine(model_path: str | os.PathLike, *, dtype: str | None = None,
     llm_kwargs.setdefault("logprobs_mode", "processed_logprobs")
     # on Hopper and newer it compiles FlashInfer kernels with nvcc at start: on an H200, still at it after 100 s
     llm_kwargs.setdefault("enable_flashinfer_autotune", False)
+    from vllm.engine.arg_utils import EngineArgs
+
+    if "log_level" in EngineArgs.__dataclass_fields__:  # 0.32; 0.26 reads the env's alone
+        llm_kwargs["log_level"] = log_level
     return vllm.LLM(model=model_path, dtype=dtype, max_model_len=max_model_len,
                     gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                     # explicit: vLLM caches its environment once an engine has started
-                    enforce_eager=enforce_eager, seed=seed, log_level=log_level, **llm_kwargs)
+                    enforce_eager=enforce_eager, seed=seed, **llm_kwargs)
 
 
 def push_weights(llm, weights: dict[str, torch.Tensor]) -> float:
