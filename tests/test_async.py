@@ -16,7 +16,7 @@ import ray
 import torch
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose, wait_for
-from grpo.process.config import validate_config
+from grpo.loop.config import validate_config
 from grpo.process.errors import ConfigError
 from grpo.tasks.data import PromptLedger, PromptStream
 from grpo.tasks.envs import load_gsm8k

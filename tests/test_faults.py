@@ -33,11 +33,11 @@ import torch
 from safetensors import SafetensorError
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose, wait_for
+from grpo.loop.config import validate_config
 from grpo.loop.logger import RunLogger, read_metrics
 from grpo.loop.records import RunRecords
 from grpo.loop.resume import find_checkpoint
 from grpo.loop.disk_room import checkpoints_at_once
-from grpo.process.config import validate_config
 from grpo.process.errors import (CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout,
                                  RunDirError)
 from grpo.process.setup import RunDirClaim, StopFlag, raise_if_interrupted_twice
