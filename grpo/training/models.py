@@ -8,7 +8,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from torchrl.data.llm import History
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -52,26 +51,6 @@ def load_tokenizer(name: str):
             else tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
     tokenizer.padding_side = "left"
     return tokenizer
-
-
-def wrapper_chat_template(tokenizer) -> str | None:
-    """The chat template TorchRL's LLM wrappers render prompts with.
-
-    ``History.apply_chat_template`` picks it by model family (its own for Qwen, Llama, DeepSeek, ...;
-    the tokenizer's only when that marks assistant turns; ChatML otherwise), so it need not be the
-    tokenizer's. A stand-in tokenizer records the one it is handed.
-    """
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def apply_chat_template(self, **kwargs):
-            self.template = kwargs.get("chat_template")
-            return ""
-
-    recorder = Recorder()
-    History(role=["user"], content=[""], batch_size=(1,)).apply_chat_template(tokenizer=recorder)
-    return recorder.template
 
 
 def configure_torch(cfg, *, on_gpu: bool) -> None:
