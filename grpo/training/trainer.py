@@ -8,12 +8,12 @@ import math
 
 import torch
 
-from grpo.inference.generation import inference_state_dict
 from grpo.process.errors import UserError
 from grpo.process.setup import freeze_long_lived_objects
 from grpo.process.world import World, is_sharded
 from grpo.training import checkpoint as ckpt
 from grpo.training.logprobs import ReplyLogProbs
+from grpo.training.models import inference_state_dict
 from grpo.training.step import GRPOSettings, GRPOStep
 
 
