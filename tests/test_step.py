@@ -17,12 +17,12 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
-from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_env
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batches, to_training_batch, trim_padding
 from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
+from grpo.training.replies import Replies
 from grpo.training.step import GRPOSettings, GRPOStep, LossTotals, grpo_terms, per_sample_kl_to_ref, weighted_loss
 from grpo.training.trainer import make_optimizer, make_scheduler
 

@@ -14,7 +14,7 @@ the sampled tokens: the loss, the KL terms, the entropy and the reply-length sta
 An episode ends at the model's final answer (a turn the environment does not answer), at ``max_turns``, when a turn
 hits the reply cap, or at the budget of ``max_episode_tokens`` after the prompt; the last three count as truncated.
 
-Writes, as TorchRL's wrappers lay them out (and the envs, rewards, eval and ``grpo.rollout.replies`` read them):
+Writes, as TorchRL's wrappers lay them out (and the envs, rewards, eval and ``grpo.training.replies`` read them):
 
     history.prompt / .response / .full  ChatHistory: the prompt's messages; the episode's messages (assistant turns,
                                         each without its stop token, and the environment's); the two together

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from grpo.rollout.replies import Replies
 from grpo.training.batch import group_ids
+from grpo.training.replies import Replies
 
 
 def env_batches_per_draw(cfg) -> int:

@@ -86,7 +86,7 @@ class Trainer:
         return inference_state_dict(self.policy_model)
 
     def update(self, rollouts, step: int) -> dict:
-        # the other ranks step on rank 0's rollouts (grpo.rollout.replies.Replies): a few flat arrays, ~1 MB per
+        # the other ranks step on rank 0's rollouts (grpo.training.replies.Replies): a few flat arrays, ~1 MB per
         # 128 replies x 512 tokens, pickled as raw buffers
         self.world.lead("update", rollouts, step)
         metrics = self.grpo_step(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
