@@ -14,6 +14,7 @@ from grpo.inference.episode_policy import cut_at_stop
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.envs import make_env
+from grpo.tasks.tool_env import EnvTurn
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 from torchrl_wrapper import torchrl_history_policy
 
