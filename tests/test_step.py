@@ -231,7 +231,7 @@ def test_kl_to_ref_penalty_is_masked_k3(setup):
     assert float(weighted_loss(out, settings)) == pytest.approx(float(out["objective"]) + 0.5 * float(expected_kl),
                                                                 rel=1e-4)
     # in the reward instead: no loss term
-    assert "kl_to_ref" not in grpo_terms(ReplyLogProbs(model), batch, dataclasses.replace(settings, kl_to_ref_in_reward=True))
+    assert "kl_to_ref" not in grpo_terms(ReplyLogProbs(model), batch, dataclasses.replace(settings, kl_coef_in_loss=False))
 
 
 def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
