@@ -7,7 +7,7 @@
 A real TorchRL collector over the tiny model (``config/grpo_tiny``) generates ``--replies`` replies of
 exactly ``--max-new-tokens`` tokens each (no stop token ends them early), as a rollout worker does. Two
 forms a worker can return are timed: the collector's tensordict (what workers returned before issue 28)
-and ``grpo.rollout.replies.Replies`` (what they return now; ``convert_s``: ``Replies.from_collector`` on the
+and ``grpo.training.replies.Replies`` (what they return now; ``convert_s``: ``Replies.from_collector`` on the
 worker). For each: ``pickle.dumps`` (the worker's side), ``pickle.loads`` (the trainer's) and the bytes
 between them, unless ``--no-ray`` ``ray.put`` / ``ray.get`` through a local Ray object store (what a Ray
 actor's return goes through). Best of ``--repeats`` each; ratios are before / after. ``dense_s``: the
@@ -105,8 +105,8 @@ def measure(name: str, obj, args, ray_mod) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    from grpo.rollout.replies import Replies
     from grpo.training.batch import rollout_metrics, to_training_batch
+    from grpo.training.replies import Replies
 
     batch, stop_ids, pad_token_id = collect(args)
     ray_mod = None

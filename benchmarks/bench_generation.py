@@ -132,7 +132,7 @@ def log_prob_gap(model, out, input_ids, attention_mask, pad_id) -> float:
         logits = model(input_ids=seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).logits
     lp = logits[:, prompt_len - 1:-1].float().log_softmax(-1).gather(-1, seq[:, prompt_len:, None])[..., 0]
     valid = mask[:, prompt_len:].bool()
-    return float((lp - out["logits"].T[:8]).abs()[valid].mean())
+    return float((lp - out["log_probs"][:8]).abs()[valid].mean())
 
 
 def print_kernel_profile(call) -> None:

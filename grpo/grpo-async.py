@@ -13,6 +13,7 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -49,6 +50,7 @@ def train(cfg) -> Run:
 if __name__ == "__main__":
     if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes; its other
         # trainer ranks are Ray actors, placed by Ray beside the rollout workers, on a cluster's nodes too
-        hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)), followers=ray_followers)
+        hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)),
+                   followers=functools.partial(ray_followers, follow_run=follow_run))
     else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

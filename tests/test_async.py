@@ -16,7 +16,7 @@ import ray
 import torch
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose, wait_for
-from grpo.process.config import validate_config
+from grpo.loop.config import validate_config
 from grpo.process.errors import ConfigError
 from grpo.tasks.data import PromptLedger, PromptStream
 from grpo.tasks.envs import load_gsm8k
@@ -275,10 +275,9 @@ def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoin
 
 def test_pool_replaces_a_worker_killed_with_ray_kill():
     """Straight at the pool: every batch index comes out once, in order, around a ray.kill."""
-    from grpo.inference.generation import inference_state_dict
     from grpo.process.setup import ray_pythonpath
     from grpo.rollout.ray_collectors import RolloutPool
-    from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
+    from grpo.training.models import inference_state_dict, load_causal_lm, load_tokenizer, stop_token_ids
 
     cfg = compose("grpo_tiny", SMALL + EXACT + ["train.buffer_size=1"])  # 2 batches ahead: the kill hits one
     tokenizer = load_tokenizer(str(TINY_MODEL))

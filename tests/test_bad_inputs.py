@@ -20,8 +20,8 @@ from grpo.export import export_checkpoint
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_inference, make_transformers_policy
 from grpo.inference.generation import EngineSettings
+from grpo.loop.config import validate_config, warn_if_too_few_rows
 from grpo.loop.run import start_run
-from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.errors import ConfigError, DataError, ExportError, ModelLoadError, ResumeError, UserError, clear_errors
 from grpo.tasks.envs import load_gsm8k, load_splits, make_env, task_of
 from grpo.tasks.ifeval import load_ifeval_rows

@@ -2,8 +2,8 @@
 
 import torch
 
-from grpo.rollout.replies import Replies
 from grpo.training.batch import rollout_metrics, to_training_batch
+from grpo.training.replies import Replies
 
 EOS, PAD = 2, 0
 

@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from conftest import REPO, compose
-from grpo.process.config import validate_config, warn_if_too_few_rows
+from grpo.loop.config import validate_config, warn_if_too_few_rows
 from grpo.process.errors import ConfigError, DataError
 from grpo.tasks.envs import TASKS, load_gsm8k
 

@@ -72,7 +72,7 @@ def test_sampled_log_probs_are_the_trainers_and_replies_stop_at_their_first_stop
     ids, mask = prompts(tok)
     torch.manual_seed(0)
     out = sampler.generate(ids.repeat(4, 1), mask.repeat(4, 1), **options(tok, model, temperature=temperature))
-    replies, log_probs = out["sequences"][:, ids.shape[1]:], out["logits"].T
+    replies, log_probs = out["sequences"][:, ids.shape[1]:], out["log_probs"]
     stop = torch.tensor(stop_token_ids(tok, model.generation_config))
     ended = torch.isin(replies, stop)
     assert ended.any(dim=1).sum() > 0, "the test needs replies that finished before max_new_tokens"
@@ -100,7 +100,7 @@ def test_a_prompt_the_batch_repeats_is_prefilled_once(tiny):
     out = sampler.generate(ids[order], mask[order], **options(tok, model))
     expected = teacher_forced_log_probs(model, out["sequences"], mask[order], tok.pad_token_id)
     real = out["sequences"][:, ids.shape[1]:] != tok.pad_token_id
-    torch.testing.assert_close(out["logits"].T[real], expected[real], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out["log_probs"][real], expected[real], atol=1e-4, rtol=1e-4)
 
 
 def test_kv_cache_is_sized_to_the_batch_and_only_grows(tiny):
@@ -162,7 +162,7 @@ def test_rows_that_ended_leave_the_batch_and_the_replies_stay_the_same(tiny):
         outs[compact] = sampler.generate(ids, mask, **options(tok, model, do_sample=False, **extra))
         assert sampler.batch_sizes == ([64, 32, 16] if compact else [64])
     assert torch.equal(outs[True]["sequences"], outs[False]["sequences"])
-    torch.testing.assert_close(outs[True]["logits"], outs[False]["logits"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[True]["log_probs"], outs[False]["log_probs"], atol=1e-5, rtol=1e-5)
     lengths = (outs[True]["sequences"][:, ids.shape[1]:] != tok.pad_token_id).sum(1)
     assert lengths.min() < 8 and lengths.max() > 16  # rows left the batch at different checks
 
@@ -178,7 +178,7 @@ def test_compacted_replies_are_sampled_with_the_trainers_log_probs(tiny):
         torch.manual_seed(seed)
         out = sampler.generate(ids, mask, **options(tok, model, **extra))
         assert sampler.batch_sizes[0] == 64 and len(sampler.batch_sizes) > 1
-        replies, log_probs = out["sequences"][:, ids.shape[1]:], out["logits"].T
+        replies, log_probs = out["sequences"][:, ids.shape[1]:], out["log_probs"]
         ended = torch.isin(replies, torch.tensor(extra["eos_token_id"]))
         after_stop = ended.long().cumsum(1) - ended.long() > 0
         assert (replies[after_stop] == tok.pad_token_id).all() and (log_probs[after_stop] == 0).all()
@@ -222,7 +222,7 @@ def log_prob_gap(model, tok, out, prompt_mask) -> float:
     """Mean |sampler's log-prob - teacher-forced log-prob| over the reply tokens of a generate call's ``out``."""
     expected = teacher_forced_log_probs(model, out["sequences"].cuda(), prompt_mask, tok.pad_token_id)
     real = out["sequences"][:, prompt_mask.shape[1]:].cuda() != tok.pad_token_id
-    return float((out["logits"].T.cuda() - expected)[real].abs().mean())
+    return float((out["log_probs"].cuda() - expected)[real].abs().mean())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the filled-slot kernel needs a GPU")
@@ -339,8 +339,8 @@ def test_a_policy_that_trains_samples_through_fused_copies_that_its_updates_reac
             torch.manual_seed(0)
             runs.append(sampler.generate(ids, mask, **options(tok, policy)))
         torch.testing.assert_close(runs[0]["sequences"], runs[1]["sequences"], rtol=0, atol=0)
-        torch.testing.assert_close(runs[0]["logits"], runs[1]["logits"], atol=1e-5, rtol=1e-5)
-        outputs.append(runs[0]["logits"])
+        torch.testing.assert_close(runs[0]["log_probs"], runs[1]["log_probs"], atol=1e-5, rtol=1e-5)
+        outputs.append(runs[0]["log_probs"])
     assert seen == ["ProjectionOfShared"] * 2 and policy.model.layers[0].self_attn.q_proj is q_proj
     assert not torch.allclose(outputs[0], outputs[1])  # the update reached the fused copies
     policy(ids, attention_mask=mask).logits.sum().backward()

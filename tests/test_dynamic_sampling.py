@@ -3,7 +3,7 @@
 import pytest
 
 from grpo.rollout.dynamic_sampling import draw_step_batch, reply_groups
-from grpo.rollout.replies import Replies
+from grpo.training.replies import Replies
 
 REPEATS = 4
 

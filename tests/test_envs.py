@@ -13,10 +13,10 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
-from grpo.rollout.replies import TENSORS, Replies
 from grpo.tasks.data import serve_from
 from grpo.tasks.envs import OneTurnCollector, inverts_nothing, make_collector, make_env
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
+from grpo.training.replies import TENSORS, Replies
 
 
 def torchrl_collector(env, policy, replies: int) -> LLMCollector:

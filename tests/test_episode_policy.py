@@ -10,10 +10,11 @@ from torchrl.modules.llm.policies.common import ChatHistory
 from conftest import compose
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
-from grpo.inference.episode_policy import EnvTurn, cut_at_stop
+from grpo.inference.episode_policy import cut_at_stop
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.envs import make_env
+from grpo.tasks.tool_env import EnvTurn
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 from torchrl_wrapper import torchrl_history_policy
 
@@ -78,7 +79,7 @@ def test_a_batch_of_other_than_one_dimension_is_refused(tiny):
 
 class ScriptedEnv:
     """A turn environment that answers every turn with the same user text (special-token text included), until
-    ``max_turns``: the plug-in point of ``grpo.inference.episode_policy.TurnEnv``."""
+    ``max_turns``: the plug-in point of ``grpo.tasks.tool_env.TurnEnv``."""
 
     def __init__(self, text: str, max_turns: int, max_episode_tokens: int):
         self.text, self.max_turns, self.max_episode_tokens = text, max_turns, max_episode_tokens

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from conftest import REPO
 from grpo.export import export_model
 from grpo.tasks.envs import GSM8KTaskEnv
+from grpo.tasks.prompt_checks import wrapper_chat_template
 from grpo.training.checkpoint import list_checkpoints
-from grpo.training.models import load_causal_lm, load_tokenizer, wrapper_chat_template
+from grpo.training.models import load_causal_lm, load_tokenizer
 
 # prompts of the tiny task, as its env builds them: replies that end within a few tokens
 CHATS = [[{"role": "system", "content": GSM8KTaskEnv.SYSTEM_PROMPTS["tag"]}, {"role": "user", "content": question}]

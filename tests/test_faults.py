@@ -33,15 +33,14 @@ import torch
 from safetensors import SafetensorError
 
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose, wait_for
+from grpo.loop.config import validate_config
 from grpo.loop.logger import RunLogger, read_metrics
 from grpo.loop.records import RunRecords
 from grpo.loop.resume import find_checkpoint
 from grpo.loop.disk_room import checkpoints_at_once
-from grpo.process.config import validate_config
 from grpo.process.errors import (CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout,
                                  RunDirError)
 from grpo.process.setup import RunDirClaim, StopFlag, raise_if_interrupted_twice
-from grpo.rollout.replies import Replies
 from grpo.tasks import prompt_checks
 from grpo.tasks.envs import load_splits, task_system_prompt
 from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, check_prompt_text, prompt_token_counts
@@ -50,6 +49,7 @@ from grpo.training import checkpoint
 from grpo.training.advantages import group_advantages
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, training_state
 from grpo.training.models import load_tokenizer
+from grpo.training.replies import Replies
 from test_checkpoint import SMALL, _save, _trained, grpo_cmd, step_rows
 from test_emergency_checkpoint import script, train  # noqa: F401 - script is a fixture
 from test_step import make_step, setup  # noqa: F401 - setup is a fixture

@@ -20,7 +20,7 @@ MODES = ["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_
 
 def settings(mode, variant) -> GRPOSettings:
     return GRPOSettings(
-        clip_epsilon_low=EPS_LOW, clip_epsilon_high=EPS_HIGH, kl_to_ref_coeff=0.0, kl_to_ref_in_reward=False,
+        clip_epsilon_low=EPS_LOW, clip_epsilon_high=EPS_HIGH, kl_to_ref_coeff=0.0, kl_coef_in_loss=True,
         overlong_filter=False, overlong_buffer=0, overlong_penalty=0.0, kl_to_inference_coeff=0.0, entropy_coeff=0.0,
         aggregation="token_mean", loss_variant=variant, max_new_tokens=MAX_NEW, temperature=1.0,
         importance_sampling=mode, is_low=LOW, is_high=HIGH, epochs=1, optim_batch_size=4, micro_batch_size=4,

@@ -9,12 +9,12 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import TransformersInference, make_transformers_policy
 from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
 from grpo.process.setup import resolve_local_paths
-from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.batch import to_training_batch
 from grpo.training.logprobs import token_log_probs
 from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
 from grpo.training.models import train_mode_if
+from grpo.training.replies import Replies
 
 
 @pytest.fixture(scope="module")

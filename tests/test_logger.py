@@ -12,9 +12,9 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.loop.logger import RunLogger, profile_to, read_metrics, reply_samples
-from grpo.rollout.replies import Replies
 from grpo.tasks.envs import load_gsm8k, make_collector, make_env
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
+from grpo.training.replies import Replies
 
 
 def test_profile_to_writes_an_op_table_and_a_trace(tmp_path):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import compose
-from grpo.process.config import validate_config
+from grpo.loop.config import validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ import torch
 from conftest import TINY_DATA, compose
 from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings
-from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
+from grpo.training.replies import Replies
 from grpo.training.step import GRPOSettings, GRPOStep
 from grpo.training.trainer import make_optimizer, make_scheduler
 

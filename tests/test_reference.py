@@ -8,11 +8,11 @@ import torch
 from conftest import SHORT_RUN, compose, train_in_process
 from grpo.loop.logger import read_metrics
 from grpo.process.setup import resolve_local_paths
-from grpo.rollout.replies import Replies
 from grpo.training.batch import to_training_batch
 from grpo.training.logprobs import ReplyLogProbs, gathered_scores, queue_scores, queued_copy, score_replies
 from grpo.training.models import load_causal_lm, load_tokenizer
 from grpo.training.reference import ReferenceScores
+from grpo.training.replies import Replies
 from grpo.training.step import GRPOSettings
 
 PAD, EOS = 0, 2

@@ -1,4 +1,4 @@
-"""grpo/rollout/replies.py: the batch a rollout source hands the trainer keeps every field the trainer reads,
+"""grpo/training/replies.py: the batch a rollout source hands the trainer keeps every field the trainer reads,
 exactly, through pickling as Ray and torchrun's object broadcast do it."""
 
 import pickle
@@ -6,8 +6,8 @@ import pickle
 import pytest
 import torch
 
-from grpo.rollout.replies import TENSORS, Replies, last_user_message
 from grpo.training.batch import to_training_batch
+from grpo.training.replies import TENSORS, Replies, last_user_message
 from test_step import setup  # noqa: F401 - a fixture: rollouts of the tiny model, 2 groups of 4
 
 

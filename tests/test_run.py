@@ -12,9 +12,9 @@ from conftest import SHORT_RUN, compose_in_run_dir, sync_script
 from grpo.loop.logger import read_metrics
 from grpo.loop.run import start_run
 from grpo.rollout import local_rollouts
-from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.checkpoint import load_checkpoint
+from grpo.training.replies import Replies
 
 
 @pytest.fixture

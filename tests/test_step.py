@@ -17,12 +17,12 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
-from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_env
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batches, to_training_batch, trim_padding
 from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
+from grpo.training.replies import Replies
 from grpo.training.step import GRPOSettings, GRPOStep, LossTotals, grpo_terms, per_sample_kl_to_ref, weighted_loss
 from grpo.training.trainer import make_optimizer, make_scheduler
 
@@ -231,7 +231,7 @@ def test_kl_to_ref_penalty_is_masked_k3(setup):
     assert float(weighted_loss(out, settings)) == pytest.approx(float(out["objective"]) + 0.5 * float(expected_kl),
                                                                 rel=1e-4)
     # in the reward instead: no loss term
-    assert "kl_to_ref" not in grpo_terms(ReplyLogProbs(model), batch, dataclasses.replace(settings, kl_to_ref_in_reward=True))
+    assert "kl_to_ref" not in grpo_terms(ReplyLogProbs(model), batch, dataclasses.replace(settings, kl_coef_in_loss=False))
 
 
 def test_kl_in_reward_lowers_reward_by_coeff_times_kl():

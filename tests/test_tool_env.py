@@ -4,11 +4,10 @@ malformed call answered with what was wrong (never an exception), and the config
 import pytest
 
 from conftest import compose
-from grpo.inference.episode_policy import Episode
 from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import holds_call, parse_call
 from grpo.tasks.sandbox import Sandbox, SandboxSettings
-from grpo.tasks.tool_env import PythonToolEnv, check_turn_config
+from grpo.tasks.tool_env import Episode, PythonToolEnv, check_turn_config
 
 
 def call(code: str) -> str:

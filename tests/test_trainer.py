@@ -9,9 +9,9 @@ from conftest import compose
 from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
 from grpo.process.setup import resolve_local_paths
-from grpo.rollout.replies import Replies
 from grpo.tasks.envs import make_collector, make_env
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids
+from grpo.training.replies import Replies
 from grpo.training.trainer import Trainer, make_optimizer, make_scheduler
 
 

@@ -15,7 +15,7 @@ from torchrl.data.llm import History
 from conftest import REPO, TINY_DATA, TINY_MODEL, compose
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
-from grpo.process.config import validate_config
+from grpo.loop.config import validate_config
 from grpo.process.errors import DataError
 from grpo.tasks.envs import load_splits, make_env
 from grpo.tasks.prompt_checks import check_prompt_lengths

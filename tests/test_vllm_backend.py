@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo.inference.generation import EngineSettings, InferenceEngine, inference_state_dict, merged_state_dict, weights_checksum
+from grpo.inference.generation import EngineSettings, InferenceEngine, weights_checksum
 from grpo.inference.vllm_backend import (check_vllm_available, check_vllm_model_shape, configure_vllm_env,
                                          make_vllm_engine, push_weights)
 from grpo.process.errors import ConfigError
+from grpo.training.models import inference_state_dict, merged_state_dict
 
 # vLLM reads its env (VLLM_TARGET_DEVICE, ...) at import time: set it before importorskip.
 DEVICE_IS_CPU = configure_vllm_env()

@@ -17,10 +17,10 @@ from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings, weights_checksum
 from grpo.process.setup import resolve_local_paths
 from grpo.process.world import World, is_sharded
-from grpo.rollout.replies import Replies
 from grpo.training.batch import micro_batch_rows
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
+from grpo.training.replies import Replies
 from grpo.training.trainer import Trainer
 from test_step import setup  # noqa: F401 - a fixture: rollouts of the tiny model, 2 groups of 4
 

@@ -13,7 +13,7 @@ functions may also take ``episode``, every message after the prompt.
 
 import re
 
-from grpo.inference.episode_policy import EnvTurn
+from grpo.tasks.tool_env import EnvTurn
 
 ANSWER = re.compile(r"<answer>\s*-?[\d,.]+\s*</answer>")
 

@@ -153,7 +153,7 @@ def decode_step(model, cache, cache_name: str, buf: DecodeBuffers, pad_token_id:
 
 class ReplySampler(torch.nn.Module):
     """What the transformers engine's episode policy (``grpo.inference.episode_policy``) calls ``generate`` on: samples replies with ``model``,
-    returned as TorchRL's ``TransformersWrapper`` reads them (which can wrap it too).
+    returned as ``sequences`` (the prompts' ids, then the replies') and ``log_probs`` (each sampled token's, [B, T]).
 
     ``compile``: on a single CUDA device, the decode step (forward, sampler, bookkeeping) is compiled
     and captured as one CUDA graph, so a token costs one replay and no Python. torch.compile's own
@@ -308,9 +308,8 @@ class ReplySampler(torch.nn.Module):
             generated += 1
         if rows is not None:
             tokens[rows], log_probs[rows] = buf.tokens[:len(rows)], buf.log_probs[:len(rows)]
-        # TorchRL stacks ``logits`` along dim 1 into [B, T]: here, the sampled tokens' log-probs
         out = {"sequences": torch.cat([input_ids, tokens[:, :generated].to(input_ids.dtype)], dim=1).to(home),
-               "logits": log_probs[:, :generated].T.clone().to(home)}
+               "log_probs": log_probs[:, :generated].clone().to(home)}  # [B, T]: each sampled token's
         if device.type == "cuda":  # so that self.seconds is the decoding's (a copy to the CPU waits anyway)
             torch.cuda.synchronize(device)
         self.seconds += time.perf_counter() - start

@@ -100,7 +100,7 @@ def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: di
         out = sampler.generate(input_ids, attention_mask, **{**gen_kwargs, "max_new_tokens": max_new_tokens})
         generated = out["sequences"][:, input_ids.shape[1]:]
         kept = generated != pad  # a sampled pad ends a reply, as the rest of the rows' padding does
-        return [(reply[keep], lp[keep]) for reply, lp, keep in zip(generated[:rows], out["logits"].T, kept)]
+        return [(reply[keep], lp[keep]) for reply, lp, keep in zip(generated[:rows], out["log_probs"], kept)]
 
     policy = EpisodePolicy(sample, tokenizer, max_new_tokens=gen_kwargs["max_new_tokens"],
                            stop_ids=list(gen_kwargs["eos_token_id"]), pad_id=pad)

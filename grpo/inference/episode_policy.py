@@ -14,7 +14,7 @@ the sampled tokens: the loss, the KL terms, the entropy and the reply-length sta
 An episode ends at the model's final answer (a turn the environment does not answer), at ``max_turns``, when a turn
 hits the reply cap, or at the budget of ``max_episode_tokens`` after the prompt; the last three count as truncated.
 
-Writes, as TorchRL's wrappers lay them out (and the envs, rewards, eval and ``grpo.rollout.replies`` read them):
+Writes, as TorchRL's wrappers lay them out (and the envs, rewards, eval and ``grpo.training.replies`` read them):
 
     history.prompt / .response / .full  ChatHistory: the prompt's messages; the episode's messages (assistant turns,
                                         each without its stop token, and the environment's); the two together
@@ -32,8 +32,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from tensordict import LazyStackedTensorDict, lazy_stack
@@ -41,37 +39,7 @@ from torch.nn.utils.rnn import pad_sequence
 from torchrl.data.llm import History
 from torchrl.modules.llm.policies.common import ChatHistory
 
-EPISODE_COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_failures")
-
-
-@dataclass
-class Episode:
-    """One episode as the turn environment sees it: the prompt's messages, the episode's so far (the last one the
-    assistant turn just sampled), and the data row it came from."""
-    prompt: list[dict]
-    messages: list[dict]
-    row_index: int
-
-
-@dataclass
-class EnvTurn:
-    """The environment's answer to a turn: one message (``role``, ``content``), rendered by the chat template, and
-    what it counts (``EPISODE_COUNTS`` names: a tool call, an error, a timeout, a failure of the tool itself)."""
-    message: dict
-    counts: dict = field(default_factory=dict)
-
-
-class TurnEnv(Protocol):
-    """What answers a model between turns (``grpo.tasks.tool_env.PythonToolEnv``, or a user's own class)."""
-
-    max_turns: int           # assistant turns an episode may take
-    max_episode_tokens: int  # tokens after the prompt an episode may hold, the environment's included
-
-    def answers(self, episode: Episode) -> bool:
-        """Whether it answers the turn just sampled (no: that turn was the final answer). No side effects."""
-
-    def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
-        """Its answers to the turns it answers, in order, all at once (a tool runs them concurrently)."""
+from grpo.tasks.tool_env import EPISODE_COUNTS, Episode, TurnEnv
 
 
 class EnvTurnTokens:

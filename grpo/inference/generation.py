@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from grpo.process.world import full, is_sharded
+from grpo.training.models import inference_state_dict
 
 
 @dataclass(frozen=True)
@@ -103,72 +102,10 @@ def generate_kwargs(settings: EngineSettings, tokenizer, *, greedy: bool, max_ne
             "top_p": s.top_p, "top_k": s.top_k}
 
 
-def inference_state_dict(policy_model) -> dict[str, torch.Tensor]:
-    """The weights a generation engine needs: HF parameter names, whole tensors, LoRA adapters merged in.
-
-    A policy sharded over data-parallel ranks (FSDP2) is gathered whole on every rank: a collective,
-    so every rank calls this for each push. Under LoRA only the adapted weights are computed afresh
-    (``W + delta``); the rest are the policy's own tensors, not a copy of the whole model per push.
-    """
-    if hasattr(policy_model, "merge_and_unload"):
-        return merged_state_dict(policy_model)
-    if not is_sharded(policy_model):
-        return policy_model.state_dict()
-    # one gather per tensor, keyed by the parameter: a tied weight (the LM head sharing the embedding) stays
-    # one tensor under both names, as the engines and the checksum count it
-    names = policy_model.state_dict().keys()
-    gathered, state = {}, {}
-    for name, tensor in chain(policy_model.named_parameters(remove_duplicate=False),
-                              policy_model.named_buffers(remove_duplicate=False)):
-        if name in names:
-            if id(tensor) not in gathered:
-                gathered[id(tensor)] = full(tensor.detach())
-            state[name] = gathered[id(tensor)]
-    return state
-
-
 def as_state_dict(source) -> dict[str, torch.Tensor]:
     """The HF-named weights a push sends: a state dict as it is, a model (or a whole ``Trainer.engine_weights``
     of a sharded one, already a dict) through ``inference_state_dict``."""
     return source if isinstance(source, dict) else inference_state_dict(source)
-
-
-@torch.no_grad()
-def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
-    """HF-named state dict of a PEFT (LoRA) model with the active adapters merged in.
-
-    The model itself is left untouched: only the LoRA-targeted weights are copied
-    (``W + get_delta_weight(adapter)``); the others are shared with the model.
-    """
-    from peft.tuners.lora import LoraLayer
-
-    base = peft_model.get_base_model()
-    deltas: dict[str, torch.Tensor] = {}
-    for mod_name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not getattr(module, "merged", False):
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A and not module.disable_adapters:
-                    d = module.get_delta_weight(adapter)
-                    key = f"{mod_name}.weight"
-                    deltas[key] = deltas[key] + d if key in deltas else d
-    active = set(getattr(peft_model, "active_adapters", None) or ["default"])
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        if ".modules_to_save." in name:  # trained copy of a module: keep the active one
-            head, _, rest = name.partition(".modules_to_save.")
-            adapter, _, tail = rest.partition(".")
-            if adapter not in active:
-                continue
-            name = f"{head}.{tail}"
-        elif ".original_module." in name:
-            continue
-        name = name.replace(".base_layer.", ".")
-        if name in deltas:
-            tensor = tensor + deltas[name].to(tensor.dtype)
-        out[name] = tensor
-    return out
 
 
 def tensor_place(tensor: torch.Tensor) -> tuple:

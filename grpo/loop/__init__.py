@@ -1,1 +1,2 @@
-"""The run both scripts share: start, the loop and its crash policy, evaluation, logging, what a run dir keeps."""
+"""The run both scripts share: config checks, start, the loop and its crash policy, evaluation, logging, what a run
+dir keeps."""

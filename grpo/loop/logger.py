@@ -22,8 +22,8 @@ import torch
 from grpo.loop.trackers import start_trackers
 from grpo.process.console import say
 from grpo.process.errors import RunDirError
-from grpo.rollout.replies import Replies
 from grpo.training.batch import group_ids
+from grpo.training.replies import Replies
 
 # metrics.png: one panel per entry, its metrics as lines (eval rows as markers, with error bars where a
 # <name>_stderr is logged). Held-out accuracy sits beside its strict and flexible forms, and reply length and

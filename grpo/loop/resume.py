@@ -11,8 +11,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from grpo.loop.config import inference_is_cap_now
 from grpo.loop.logger import read_metrics
-from grpo.process.config import inference_is_cap_now
 from grpo.process.errors import ResumeError
 from grpo.training.checkpoint import CKPT_PATTERN, FRESH, PICKLED, list_checkpoints, load_checkpoint, load_latest_good
 

@@ -27,11 +27,11 @@ from tqdm import tqdm
 from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
 from grpo.loop.disk_room import HeldRoom, check_room_at_start, checkpoint_bytes
+from grpo.loop.config import validate_config, warn_if_too_few_rows
 from grpo.loop.evaluation import Evaluator
 from grpo.loop.logger import RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
-from grpo.process.config import validate_config, warn_if_too_few_rows
 from grpo.process.console import say
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError

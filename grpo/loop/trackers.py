@@ -17,7 +17,7 @@ def tracker_names(value) -> list[str]:
 
 
 class Tracker:
-    """One TorchRL logger (``kind`` one of ``grpo.process.config.TRACKERS``): every row's numbers as scalars at its
+    """One TorchRL logger (``kind`` one of ``grpo.loop.config.TRACKERS``): every row's numbers as scalars at its
     step, replies as text where the tool takes text, the final plot as an image where it takes images."""
 
     def __init__(self, kind: str, logger):

@@ -1,2 +1,1 @@
-"""Process plumbing: Hydra entry, seeds and signals, config checks, user errors, the device plan,
-the data-parallel world."""
+"""Process plumbing: Hydra entry, seeds and signals, user errors, the device plan, the data-parallel world."""

@@ -195,13 +195,12 @@ def check_room(resources: dict, trainer_actors: int, workers: int, gpus: bool) -
 class TrainerRank:
     """A trainer rank other than 0, as a Ray actor: ``follow`` runs the follower loop until rank 0 leads the stop."""
 
-    def follow(self, env: dict, placed_by_ray: bool) -> int:
-        """``follow_run`` under torchrun's variables (``env``), in a cluster (``placed_by_ray``) on the GPU Ray
-        assigned this actor; returns rank 0's exit status. A crash ends this process, as it ends a follower process:
-        its connections close, and rank 0's next collective fails at once (a Ray actor would otherwise live on,
-        holding them open, and rank 0 would wait out gloo's timeout)."""
-        from grpo.loop.run import follow_run
-
+    def follow(self, follow_run, env: dict, placed_by_ray: bool) -> int:
+        """``follow_run`` (``grpo.loop.run``'s, which Ray sends by name: this process imports it) under torchrun's
+        variables (``env``), in a cluster (``placed_by_ray``) on the GPU Ray assigned this actor; returns rank 0's
+        exit status. A crash ends this process, as it ends a follower process: its connections close, and rank 0's
+        next collective fails at once (a Ray actor would otherwise live on, holding them open, and rank 0 would wait
+        out gloo's timeout)."""
         os.environ.update(env)
         try:
             status = follow_run(own_gpu=assigned_gpu(None).index if placed_by_ray else None)
@@ -217,9 +216,9 @@ class TrainerRank:
 
 
 @contextlib.contextmanager
-def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int):
-    """Ranks 1..size-1 of a world this process hosts as rank 0, as ``TrainerRank`` actors (``script`` is the
-    process launcher's: an actor runs ``follow_run`` itself). On GPUs each asks Ray for one
+def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int, *, follow_run):
+    """Ranks 1..size-1 of a world this process hosts as rank 0, as ``TrainerRank`` actors, each running
+    ``follow_run`` (the script's: ``script`` is the process launcher's). On GPUs each asks Ray for one
     (``trainer_rank_resources``) and trains on the allocation's GPU for its rank (``DeviceAllocation.for_rank``), or
     in a cluster on the one Ray assigned it (``DeviceAllocation.on_gpu``); on
     the CPU it asks for one CPU. At the end the actors get ``REAP_GRACE_S`` to end their loop (and leave the group),
@@ -233,7 +232,7 @@ def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int):
         options = {"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
         resources = trainer_rank_resources(cfg, devices)
         ranks = [TrainerRank.options(**resources, runtime_env=options).remote() for _ in range(1, size)]
-        loops = [rank.follow.remote(env | {"RANK": str(r), "LOCAL_RANK": str(r)}, devices.placed_by_ray)
+        loops = [rank.follow.remote(follow_run, env | {"RANK": str(r), "LOCAL_RANK": str(r)}, devices.placed_by_ray)
                  for r, rank in enumerate(ranks, 1)]
         joined = failed = False
         try:

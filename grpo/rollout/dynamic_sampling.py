@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from grpo.rollout.replies import Replies
 from grpo.training.batch import group_ids
+from grpo.training.replies import Replies
 
 
 def env_batches_per_draw(cfg) -> int:
     """The env batches (``env.num_envs`` replies each) one draw takes: enough for a step's replies, so one when a
-    batch holds more than a step (dynamic sampling only: ``grpo.process.config`` checks it)."""
+    batch holds more than a step (dynamic sampling only: ``grpo.loop.config`` checks it)."""
     return -(-cfg.train.dialog_turns_per_batch // cfg.env.num_envs)
 
 

@@ -4,7 +4,7 @@ trainer ranks that each have an engine, every rank generates its share of each p
 A rollout source (this one, and the Ray pool of ``ray_collectors.RolloutPool``) is what the loop of
 ``grpo.loop.run`` draws from:
 
-    next_rollouts(trainer_version)  one collection of whole groups, as ``grpo.rollout.replies.Replies``
+    next_rollouts(trainer_version)  one collection of whole groups, as ``grpo.training.replies.Replies``
     commit()                        the step that took them finished: their prompts count as trained
     after_update(weights, version)  hand the engines the new weights when due, asking ``weights()``
                                     (Trainer.engine_weights: on several ranks a gather) only then; returns
@@ -28,11 +28,11 @@ from grpo.inference.generation import EngineSettings
 from grpo.process.errors import UserError
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import env_batches_per_draw
-from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, data_primer, serve_from
 from grpo.tasks.envs import make_collector, make_env
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.tasks.user_rewards import take_reward_seconds
+from grpo.training.replies import Replies
 
 
 class CollectorRollouts:

@@ -34,10 +34,10 @@ from grpo.process.errors import UserError
 from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share
 from grpo.process.setup import freeze_long_lived_objects, raise_if_stop_signalled, ray_pythonpath
 from grpo.rollout.dynamic_sampling import env_batches_per_draw
-from grpo.rollout.replies import Replies
 from grpo.tasks.data import PromptLedger, serve_from
 from grpo.tasks.user_rewards import take_reward_seconds
 from grpo.training.models import torch_dtype
+from grpo.training.replies import Replies
 
 GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s", "engine_s", "env_s")
 

@@ -1,17 +1,18 @@
 """Prompts checked before any model loads: each must leave its reply room in the context
 (``check_prompt_lengths``) and none may hold the tokenizer's special tokens (``check_prompt_text``).
 Both read the prompts as the policy will see them: the task's system prompt and the row's text through
-the chat template TorchRL's wrappers pick."""
+the chat template TorchRL's wrappers pick (``wrapper_chat_template``, the one an export writes too)."""
 
 from __future__ import annotations
 
 import math
 
+from torchrl.data.llm import History
+
 from grpo.process.errors import DataError
 from grpo.tasks.envs import column_values, prompt_column, task_system_prompt
 from grpo.tasks.rewards import special_token_pattern
 from grpo.tasks.tool_env import env_tools
-from grpo.training.models import wrapper_chat_template
 
 
 def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
@@ -48,6 +49,26 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
                 f"template and system prompt included), which with {key}={reply} exceeds "
                 f"inference_model.max_model_len={im.max_model_len}{more}; raise inference_model.max_model_len to at "
                 f"least {max(counts[j] for j in too_long) + reply}, or shorten or drop the row.")
+
+
+def wrapper_chat_template(tokenizer) -> str | None:
+    """The chat template TorchRL's LLM wrappers render prompts with.
+
+    ``History.apply_chat_template`` picks it by model family (its own for Qwen, Llama, DeepSeek, ...;
+    the tokenizer's only when that marks assistant turns; ChatML otherwise), so it need not be the
+    tokenizer's. A stand-in tokenizer records the one it is handed.
+    """
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def apply_chat_template(self, **kwargs):
+            self.template = kwargs.get("chat_template")
+            return ""
+
+    recorder = Recorder()
+    History(role=["user"], content=[""], batch_size=(1,)).apply_chat_template(tokenizer=recorder)
+    return recorder.template
 
 
 def chat_turns(system: str | None, prompt: str) -> list[dict]:

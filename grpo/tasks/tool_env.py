@@ -1,4 +1,5 @@
-"""What answers a model between the turns of an episode (``grpo.inference.episode_policy.TurnEnv``): the Python tool
+"""What answers a model between the turns of an episode: what any such environment is (``TurnEnv``: it sees each
+``Episode`` and answers with an ``EnvTurn``; ``grpo.inference.episode_policy`` drives it), the Python tool
 (``env.tools: [python]``), or a user's own class (``env.turn_env``), built from the config in one place
 (``make_turn_env``).
 
@@ -11,10 +12,45 @@ never an exception. A turn without a tool call is the final answer.
 
 from __future__ import annotations
 
-from grpo.inference.episode_policy import EnvTurn, Episode, TurnEnv
+from dataclasses import dataclass, field
+from typing import Protocol
+
 from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import CALL_CLOSE, PYTHON_TOOL, holds_call, parse_call
 from grpo.tasks.user_code import call_user, import_object
+
+EPISODE_COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_failures")
+
+
+@dataclass
+class Episode:
+    """One episode as the turn environment sees it: the prompt's messages, the episode's so far (the last one the
+    assistant turn just sampled), and the data row it came from."""
+    prompt: list[dict]
+    messages: list[dict]
+    row_index: int
+
+
+@dataclass
+class EnvTurn:
+    """The environment's answer to a turn: one message (``role``, ``content``), rendered by the chat template, and
+    what it counts (``EPISODE_COUNTS`` names: a tool call, an error, a timeout, a failure of the tool itself)."""
+    message: dict
+    counts: dict = field(default_factory=dict)
+
+
+class TurnEnv(Protocol):
+    """What answers a model between turns (``PythonToolEnv``, or a user's own class)."""
+
+    max_turns: int           # assistant turns an episode may take
+    max_episode_tokens: int  # tokens after the prompt an episode may hold, the environment's included
+
+    def answers(self, episode: Episode) -> bool:
+        """Whether it answers the turn just sampled (no: that turn was the final answer). No side effects."""
+
+    def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
+        """Its answers to the turns it answers, in order, all at once (a tool runs them concurrently)."""
+
 
 NO_OUTPUT = "[no output: print() what you want to see]"
 

@@ -1,6 +1,6 @@
 """The dense training batch: collected rollouts as padded ``[S, T]`` tensors.
 
-The rollout sources hand over ``grpo.rollout.replies.Replies``: ragged token ids, one after another.
+The rollout sources hand over ``grpo.training.replies.Replies``: ragged token ids, one after another.
 Every later stage (reference scoring, advantages, minibatch sampling, the loss) is cheaper on
 padded ``[S, T]`` tensors: on the tiny task, per-sample tensordict bookkeeping was about 45% of
 a step (docs/trl_comparison.md). So the batch is made dense once, here:
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from grpo.rollout.replies import Replies
+from grpo.training.replies import Replies
 
 
 def to_training_batch(replies: Replies, pad_token_id: int) -> TensorDict:

@@ -1,18 +1,20 @@
-"""Loading the tokenizer and the models (the trained policy, the frozen reference, generation copies), and the modes
-a model runs in (autocast, train mode)."""
+"""Loading the tokenizer and the models (the trained policy, the frozen reference, generation copies), the modes
+a model runs in (autocast, train mode), and the policy's weights as engines are sent them and an export writes them
+(``inference_state_dict``: HF names, whole tensors, LoRA merged)."""
 
 from __future__ import annotations
 
 import contextlib
 from functools import partial
+from itertools import chain
 from pathlib import Path
 
 import torch
-from torchrl.data.llm import History
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from grpo.process.errors import ModelLoadError
+from grpo.process.world import full, is_sharded
 from grpo.training.attention import use_project_attention
 from grpo.tasks.data import looks_local
 
@@ -52,26 +54,6 @@ def load_tokenizer(name: str):
             else tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
     tokenizer.padding_side = "left"
     return tokenizer
-
-
-def wrapper_chat_template(tokenizer) -> str | None:
-    """The chat template TorchRL's LLM wrappers render prompts with.
-
-    ``History.apply_chat_template`` picks it by model family (its own for Qwen, Llama, DeepSeek, ...;
-    the tokenizer's only when that marks assistant turns; ChatML otherwise), so it need not be the
-    tokenizer's. A stand-in tokenizer records the one it is handed.
-    """
-    class Recorder:
-        def __getattr__(self, name):
-            return getattr(tokenizer, name)
-
-        def apply_chat_template(self, **kwargs):
-            self.template = kwargs.get("chat_template")
-            return ""
-
-    recorder = Recorder()
-    History(role=["user"], content=[""], batch_size=(1,)).apply_chat_template(tokenizer=recorder)
-    return recorder.template
 
 
 def configure_torch(cfg, *, on_gpu: bool) -> None:
@@ -233,3 +215,65 @@ def train_mode_if(model, enabled: bool):
         yield
     finally:
         model.eval()
+
+
+def inference_state_dict(policy_model) -> dict[str, torch.Tensor]:
+    """The weights a generation engine needs: HF parameter names, whole tensors, LoRA adapters merged in.
+
+    A policy sharded over data-parallel ranks (FSDP2) is gathered whole on every rank: a collective,
+    so every rank calls this for each push. Under LoRA only the adapted weights are computed afresh
+    (``W + delta``); the rest are the policy's own tensors, not a copy of the whole model per push.
+    """
+    if hasattr(policy_model, "merge_and_unload"):
+        return merged_state_dict(policy_model)
+    if not is_sharded(policy_model):
+        return policy_model.state_dict()
+    # one gather per tensor, keyed by the parameter: a tied weight (the LM head sharing the embedding) stays
+    # one tensor under both names, as the engines and the checksum count it
+    names = policy_model.state_dict().keys()
+    gathered, state = {}, {}
+    for name, tensor in chain(policy_model.named_parameters(remove_duplicate=False),
+                              policy_model.named_buffers(remove_duplicate=False)):
+        if name in names:
+            if id(tensor) not in gathered:
+                gathered[id(tensor)] = full(tensor.detach())
+            state[name] = gathered[id(tensor)]
+    return state
+
+
+@torch.no_grad()
+def merged_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """HF-named state dict of a PEFT (LoRA) model with the active adapters merged in.
+
+    The model itself is left untouched: only the LoRA-targeted weights are copied
+    (``W + get_delta_weight(adapter)``); the others are shared with the model.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for mod_name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and not getattr(module, "merged", False):
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A and not module.disable_adapters:
+                    d = module.get_delta_weight(adapter)
+                    key = f"{mod_name}.weight"
+                    deltas[key] = deltas[key] + d if key in deltas else d
+    active = set(getattr(peft_model, "active_adapters", None) or ["default"])
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        if ".modules_to_save." in name:  # trained copy of a module: keep the active one
+            head, _, rest = name.partition(".modules_to_save.")
+            adapter, _, tail = rest.partition(".")
+            if adapter not in active:
+                continue
+            name = f"{head}.{tail}"
+        elif ".original_module." in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        if name in deltas:
+            tensor = tensor + deltas[name].to(tensor.dtype)
+        out[name] = tensor
+    return out

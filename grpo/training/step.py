@@ -51,7 +51,7 @@ class GRPOSettings:
     clip_epsilon_low: float
     clip_epsilon_high: float
     kl_to_ref_coeff: float
-    kl_to_ref_in_reward: bool         # subtract coeff * KL from the reward instead of adding a loss term
+    kl_coef_in_loss: bool             # KL-to-ref as a loss term (true) or subtracted from the reward (false)
     overlong_filter: bool             # replies cut at max_new_tokens stay out of the loss
     overlong_buffer: int              # DAPO soft penalty over the last this many tokens before max_new_tokens
     overlong_penalty: float           # the penalty at max_new_tokens
@@ -81,7 +81,7 @@ class GRPOSettings:
         t = cfg.train
         return cls(
             clip_epsilon_low=t.clip_epsilon_low, clip_epsilon_high=t.clip_epsilon_high,
-            kl_to_ref_coeff=t.kl_to_ref_coeff, kl_to_ref_in_reward=not t.kl_coef_in_loss,
+            kl_to_ref_coeff=t.kl_to_ref_coeff, kl_coef_in_loss=t.kl_coef_in_loss,
             overlong_filter=t.overlong_filter, overlong_buffer=cfg.reward.overlong_buffer,
             overlong_penalty=cfg.reward.overlong_penalty,
             kl_to_inference_coeff=t.kl_to_inference_coeff, entropy_coeff=t.entropy_coeff, aggregation=t.aggregation,
@@ -138,7 +138,7 @@ class GRPOStep:
             metrics["reference_rows_scored_early"] = scored_early / batch.batch_size[0]
             kl = per_sample_kl_to_ref(batch)
             metrics["kl_to_ref"] = kl.mean().item()
-            if self.s.kl_to_ref_in_reward:
+            if not self.s.kl_coef_in_loss:
                 batch["reward"] = batch["reward"] - self.s.kl_to_ref_coeff * kl
         if self.s.importance_sampling != "none":
             # all rows on every rank: the sharded policy needs the same passes on every rank
@@ -283,7 +283,7 @@ def grpo_terms(score, batch: TensorDict, s: GRPOSettings, totals: LossTotals | N
         objective = aggregate(-gain, mask, s.aggregation, totals)
     terms = {"objective": objective, "entropy": aggregate(entropy, mask, s.aggregation, totals),
              "kl_to_inference": k3(sampler, cur, mask).sum() / n_tokens}
-    if "ref_log_probs" in batch.keys() and not s.kl_to_ref_in_reward:
+    if "ref_log_probs" in batch.keys() and s.kl_coef_in_loss:
         terms["kl_to_ref"] = k3(batch["ref_log_probs"], cur, mask).sum() / n_tokens
     # masked sums rather than boolean indexing, which would synchronise with the GPU
     with torch.no_grad():

@@ -8,12 +8,12 @@ import math
 
 import torch
 
-from grpo.inference.generation import inference_state_dict
 from grpo.process.errors import UserError
 from grpo.process.setup import freeze_long_lived_objects
 from grpo.process.world import World, is_sharded
 from grpo.training import checkpoint as ckpt
 from grpo.training.logprobs import ReplyLogProbs
+from grpo.training.models import inference_state_dict
 from grpo.training.step import GRPOSettings, GRPOStep
 
 
@@ -86,7 +86,7 @@ class Trainer:
         return inference_state_dict(self.policy_model)
 
     def update(self, rollouts, step: int) -> dict:
-        # the other ranks step on rank 0's rollouts (grpo.rollout.replies.Replies): a few flat arrays, ~1 MB per
+        # the other ranks step on rank 0's rollouts (grpo.training.replies.Replies): a few flat arrays, ~1 MB per
         # 128 replies x 512 tokens, pickled as raw buffers
         self.world.lead("update", rollouts, step)
         metrics = self.grpo_step(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser

@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from grpo.inference.episode_policy import EPISODE_COUNTS
+from grpo.tasks.tool_env import EPISODE_COUNTS
 
 EPISODE_FIELDS = ("truncated", "turns", *EPISODE_COUNTS)
 TENSORS = ("prompt_tokens", "prompt_lengths", "reply_tokens", "reply_lengths", "reply_log_probs", "sampled_mask",
