@@ -6,8 +6,7 @@
 # installs --no-deps, so pip never looks for them.
 #
 # Seen on an H200 (2026-11-29, one package at a time, as scripts/install_vllm_cpu.sh was found): with these wheels
-# `from vllm import LLM` imports and `LLM("assets/tiny-model", enforce_eager=True)` loads the weights and reaches
-# FlashInfer's autotuning; the first generate was not reached within the call's 100 s (device time ran out). Each
+# the job's vLLM engine starts, generates and takes weight pushes (docs/vllm.md has the figures). Each
 # of these was a stop on the way: openai 3.x needs httpx2/httpcore2/truststore; transformers' MistralCommonBackend
 # needs pydantic-extra-types; xgrammar 0.2.8 needs apache-tvm-ffi >= 0.1.11 but vLLM pins 0.1.10 (0.2.7 takes it);
 # vLLM's sampler imports flashinfer unguarded.

