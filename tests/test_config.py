@@ -79,6 +79,9 @@ def test_every_key_has_a_comment(name):
     ("eval.samples_per_problem=-2", r"eval.samples_per_problem=-2 must be a whole number >= 0"),
     ("eval.temperature=0", r"eval.temperature=0 must be a number > 0"),
     ("logging.keep_last=-1", r"logging.keep_last=-1 must be >= 0 \(0 or null: keep every checkpoint\)"),
+    ("+train.totl_steps=3", r"train.totl_steps is not a config key \(did you mean train.total_steps\?\)"),
+    ("+trainer.lr=1", r"trainer is not a config key \(did you mean train\?\)"),
+    ("train.use_kl_to_ref=yes", r"train.use_kl_to_ref='yes' must be true or false"),  # a non-empty string is true
     ("inference_model.gpu_memory_utilization=1.5", r"inference_model.gpu_memory_utilization=1.5 must be in \(0, 1\]"),    ("inference_model.vllm_log_level=LOUD", r"inference_model.vllm_log_level='LOUD'; use one of DEBUG, INFO, WARNING"),
 ])
 def test_bad_values_name_key_and_fix(override, pattern):
@@ -107,6 +110,22 @@ def test_script_stops_at_start_with_one_line(tmp_path, override, expected):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_misspelt_key_in_a_users_own_yaml_stops_the_script_in_one_line(tmp_path):
+    """Hydra merges a key a user's YAML adds without a word; the run would keep the default it meant to change."""
+    (tmp_path / "conf").mkdir()
+    (tmp_path / "conf" / "mine.yaml").write_text("defaults:\n  - grpo_tiny\n  - _self_\ntrain:\n  totl_steps: 3\n")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "grpo" / "grpo.py"), "--config-dir", str(tmp_path / "conf"), "--config-name", "mine",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                                                          "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: train.totl_steps is not a config key (did you mean train.total_steps?); "
+                      "config/grpo_gsm8k.yaml lists them all."], proc.stderr[-2000:]
 
 
 def test_a_train_split_smaller_than_a_step_is_flagged():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import math
 import warnings
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
@@ -25,10 +27,47 @@ def inference_is_cap_now(cap) -> str:
 TRACKERS = ("wandb", "tensorboard", "mlflow", "csv")  # logger=: each through TorchRL's logger (grpo.loop.trackers)
 
 
+# every key a config may hold, with a value of its type: the configs all start from this one
+BASE_CONFIG = Path(__file__).resolve().parents[2] / "config" / "grpo_gsm8k.yaml"
+
+
+def check_keys_and_types(cfg) -> None:
+    """Each key of the composed config is one of grpo_gsm8k.yaml's, and each flag and number is one there too.
+
+    Hydra refuses an unknown key on the command line but merges one from a user's own YAML without a word (a
+    misspelt knob would silently keep its default), and takes ``train.packed_sequences=yes`` as a string, which is
+    true. A key whose base value is null (a mapping or list the user fills in) is not looked into."""
+    base = OmegaConf.to_container(OmegaConf.load(BASE_CONFIG), resolve=False)
+    base.pop("defaults", None)
+
+    def walk(node: dict, schema: dict, path: str) -> None:
+        for key, value in node.items():
+            where = f"{path}{key}"
+            if key not in schema:
+                close = difflib.get_close_matches(str(key), [str(k) for k in schema], n=1)
+                raise ConfigError(f"{where} is not a config key{f' (did you mean {path}{close[0]}?)' if close else ''};"
+                                  f" config/grpo_gsm8k.yaml lists them all.")
+            expected = schema[key]
+            if value is None or expected is None or isinstance(value, str) and value.startswith("${"):
+                continue  # null, or an interpolation: its target is checked where it stands
+            if isinstance(expected, dict):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{where}={value!r} must be a mapping of keys ({', '.join(expected)}).")
+                walk(value, expected, f"{where}.")
+            elif isinstance(expected, bool) and not isinstance(value, bool):
+                raise ConfigError(f"{where}={value!r} must be true or false.")
+            elif type(expected) in (int, float) and (type(value) not in (int, float)):
+                raise ConfigError(f"{where}={value!r} must be a number.")
+
+    walk({k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}, base, "")
+
+
 def validate_config(cfg) -> None:
     def need(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)
+
+    check_keys_and_types(cfg)
 
     def whole_or_null(key: str, rest: str) -> None:  # a count >= 1, or null for the default that ``rest`` names
         value = OmegaConf.select(cfg, key)

@@ -171,7 +171,7 @@ class IFEvalTask(Task):
 
     @staticmethod
     def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
-        return make_ifeval_env(cfg.env.dataset, split, tokenizer=tokenizer, weights=dict(cfg.reward.ifeval_weights),
+        return make_ifeval_env(cfg.env.dataset, split, tokenizer=tokenizer, weights=dict(cfg.reward.ifeval_weights or {}),
                                num_envs=num_envs, repeats=repeats, seed=cfg.seed, shuffle=shuffle,
                                system_prompt=cfg.env.system_prompt)
 
