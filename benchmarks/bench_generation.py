@@ -11,11 +11,10 @@ with the rollout settings (temperature 1, top_k/top_p off) by:
 * ``hf``: ``model.generate`` as TorchRL's wrapper calls it (``output_logits``: full logits per token);
 * ``ours``: ``grpo.inference.decoding.ReplySampler`` (compiled decode step, KV cache sized to the batch;
   on a GPU, decode attention reads each reply's filled cache slots only and tokens are drawn by Triton kernels);
-* ``dense``: the same with decode attention over every cache slot under the mask (``filled_slots=False``, as
-  before 2026-11-27);
-* ``compact``: the same with ``compact_rows`` (rows whose reply ended leave the batch, which halves);
-* ``inductor_sampler``: the same with tokens drawn by the compiled ``grpo.inference.sampling``
-  (``sampler_kernel=False``, as before 2026-11-28), not ``grpo.inference.sampling_kernel``.
+* ``compact``: the same with ``compact_rows`` (rows whose reply ended leave the batch, which halves).
+
+The variants that settled the retired switches (``dense``: attention over every cache slot; ``inductor_sampler``:
+the compiled sampler on a GPU) went with them; their measurements are in benchmarks/README.md.
 
 A random-init model never stops on its own: every reply runs to ``--max-new-tokens``. ``--mean-reply N``
 makes replies end as real ones do, at spread lengths: about one token in N (``vocab / N`` random token ids)
@@ -57,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--prompts-per-batch", type=int, default=16, help="distinct questions per batch (rest: repeats)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="reply length cap")
     p.add_argument("--calls", type=int, default=2, help="timed calls per variant, after one warm-up call")
-    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, dense, compact, inductor_sampler")
+    p.add_argument("--variants", default="hf,ours", help="comma list of: hf, ours, compact")
     p.add_argument("--mean-reply", type=int, default=0, help="replies end after about this many tokens (0: never)")
     p.add_argument("--compile-prefill", type=int, default=1, help="ours: the prefill compiled too, as a long run would "
                    "(inference_model.compile_prefill; 0: eager, the job's default)")
@@ -180,8 +179,7 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
             else:
                 sampler = ReplySampler(model, compile=True, compile_prefill=bool(args.compile_prefill),
                                        cache_bucket=args.cache_bucket,
-                                       compact_rows=variant == "compact", filled_slots=variant != "dense",
-                                       sampler_kernel=variant != "inductor_sampler")
+                                       compact_rows=variant == "compact")
                 call = lambda: sampler.generate(input_ids, attention_mask, **options)  # noqa: E731
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             t0 = time.perf_counter()
@@ -223,8 +221,14 @@ def run_shape(args, shape: str, bandwidth: float | None) -> list[dict]:
     return rows
 
 
+VARIANTS = ("hf", "ours", "compact")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"--variants: unknown {sorted(unknown)}; use {', '.join(VARIANTS)}")
     import torch
 
     device = torch.device(args.device)
@@ -247,7 +251,7 @@ def main(argv=None) -> None:
     for shape in dict.fromkeys(r["shape"] for r in rows):
         for batch in dict.fromkeys(r["batch"] for r in rows):
             pair = {r["variant"]: r for r in rows if r["shape"] == shape and r["batch"] == batch}
-            for variant, base in (("ours", "hf"), ("ours", "dense"), ("compact", "ours")):
+            for variant, base in (("ours", "hf"), ("compact", "ours")):
                 if {variant, base} <= set(pair):
                     print(f"{shape} batch {batch}: {variant}/{base} tokens/s = "
                           f"{pair[variant]['tokens_per_s'] / pair[base]['tokens_per_s']:.2f}x")

@@ -244,8 +244,6 @@ CASES = [
     case("seed-negative", config("seed=-1"), ConfigError, "seed=-1", ">= 0", "seed=0"),
     case("ref-micro_batch_tokens-zero", config("ref_model.micro_batch_tokens=0"), ConfigError,
          "ref_model.micro_batch_tokens=0", ">= 1", "null"),
-    case("gpu_run_threads-zero", config("gpu_run_threads=0"), ConfigError, "gpu_run_threads=0", ">= 1", "null"),
-    case("gpu_run_threads-text", config("gpu_run_threads=many"), ConfigError, "gpu_run_threads='many'", "whole number"),
     case("num_envs-zero", config("env.num_envs=0"), ConfigError, "env.num_envs=0", ">= 1"),
     case("dialog_turns_per_batch-zero", config("train.dialog_turns_per_batch=0"), ConfigError,
          "train.dialog_turns_per_batch=0", ">= 1"),

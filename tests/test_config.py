@@ -6,9 +6,10 @@ import sys
 import warnings
 
 import pytest
+from omegaconf import OmegaConf
 
 from conftest import REPO, compose
-from grpo.loop.config import validate_config, warn_if_too_few_rows
+from grpo.loop.config import RETIRED_KEYS, check_retired_overrides, validate_config, warn_if_too_few_rows
 from grpo.process.errors import ConfigError, DataError
 from grpo.tasks.envs import TASKS, load_gsm8k
 
@@ -50,9 +51,7 @@ def test_every_key_has_a_comment(name):
                                              r"Fix: ray.num_cpus=null"),
     ("ray.kill_on_low_memory=maybe", r"ray.kill_on_low_memory='maybe' must be true or false"),
     ("inference_model.compact_rows=maybe", r"inference_model.compact_rows='maybe' must be true or false"),
-    ("inference_model.filled_slots=1", r"inference_model.filled_slots=1 must be true or false"),
     ("inference_model.compile_prefill=yes", r"inference_model.compile_prefill='yes' must be true or false"),
-    ("inference_model.sampler_kernel=1", r"inference_model.sampler_kernel=1 must be true or false"),
     ("ref_model.score_early=yes", r"ref_model.score_early=.yes. must be true or false"),
     ("train.packed_sequences=1", r"train.packed_sequences=1 must be true or false"),
     ("env.task=mmlu", r"env.task='mmlu' is unknown"),
@@ -89,6 +88,17 @@ def test_bad_values_name_key_and_fix(override, pattern):
         validate_config(compose("grpo_tiny", [override] if isinstance(override, str) else list(override)))
 
 
+@pytest.mark.parametrize("key", sorted(RETIRED_KEYS))
+def test_a_retired_key_is_in_no_config_and_an_override_of_it_says_what_replaced_it(key):
+    """Hydra refuses a key no config has ("not in struct"); before it, the scripts name what replaced it."""
+    for name in CONFIG_NAMES:
+        assert OmegaConf.select(compose(name), key) is None, (name, key)
+    for override in (f"{key}=false", f"+{key}=1"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(key)} is retired: .*drop"):
+            check_retired_overrides(["--config-name", "grpo_tiny", override])
+    check_retired_overrides(["--config-name", "grpo_tiny", "train.total_steps=4"])
+
+
 def test_missing_local_dataset(tmp_path):
     with pytest.raises(DataError, match="env.dataset=.*no such file or folder"):
         load_gsm8k(str(tmp_path / "missing"), "train")
@@ -98,6 +108,7 @@ def test_missing_local_dataset(tmp_path):
     ("env.repeats=1", "env.repeats=1"),
     ("env.dataset=/nonexistent/gsm8k", "env.dataset='/nonexistent/gsm8k': no such file or folder"),
     ("env.dataset=nobody/unknown-dataset", "could not load split 'train' from the Hugging Face hub"),
+    ("inference_model.sampler_kernel=false", "inference_model.sampler_kernel is retired: a GPU now always draws"),
 ])
 def test_script_stops_at_start_with_one_line(tmp_path, override, expected):
     proc = subprocess.run(

@@ -8,35 +8,26 @@ from grpo.training.models import (configure_attention_kernels, configure_torch, 
                                   load_tokenizer, stop_token_ids)
 
 
-def test_cudnn_attention_follows_the_config():
-    cfg = compose("grpo_tiny")
+def test_cudnn_attention_is_off():
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:
-        configure_attention_kernels(cfg)
-        assert not torch.backends.cuda.cudnn_sdp_enabled()  # off by default
-        cfg.model.cudnn_attention = True
-        configure_attention_kernels(cfg)
-        assert torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        configure_attention_kernels()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
-        cfg.model.cudnn_attention = False
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
-def test_a_gpu_run_s_process_takes_gpu_run_threads_and_a_cpu_run_keeps_its_threads(monkeypatch):
+def test_a_gpu_run_s_process_takes_one_thread_and_a_cpu_run_keeps_its_threads(monkeypatch):
     # vLLM's CPU worker, once started in this process (an earlier test's), replaces torch.set_num_threads with a no-op
     monkeypatch.setattr(torch, "set_num_threads", torch._C.set_num_threads)
-    cfg = compose("grpo_tiny")
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        configure_torch(cfg, on_gpu=False)
+        configure_torch(on_gpu=False)
         assert torch.get_num_threads() == 2
-        configure_torch(cfg, on_gpu=True)
-        assert torch.get_num_threads() == 1  # the config's default
-        torch.set_num_threads(2)
-        cfg.gpu_run_threads = None  # torch's own default: left as it is
-        configure_torch(cfg, on_gpu=True)
-        assert torch.get_num_threads() == 2
+        configure_torch(on_gpu=True)
+        assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

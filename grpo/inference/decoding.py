@@ -166,19 +166,20 @@ class ReplySampler(torch.nn.Module):
     ``fuse_shared``: a model that trains too samples through fused copies (``FusedWhileSampling``).
 
     ``compile_prefill``: with ``compile``, the prompts' forward is compiled too (``grpo.inference.prefill``).
-    ``sampler_kernel``: on a GPU, tokens are drawn by Triton kernels (``grpo.inference.sampling_kernel``).
 
-    ``filled_slots``: on a GPU in half precision, decode attention reads each reply's filled cache slots only
-    (a Triton kernel); elsewhere, and when off, every slot of the cache under the attention mask.
+    On a GPU, tokens are drawn by Triton kernels (``grpo.inference.sampling_kernel``) where top_k/top_p are off, and
+    in half precision decode attention reads each reply's filled cache slots only (a Triton kernel:
+    ``filled_slot_bounds``); elsewhere the compiled sampler draws, and attention reads every slot under the mask.
+    ``sampler_kernel`` and ``kv_heads`` (None: every slot) are what the GPU tests set to compare the two.
     """
 
-    def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool, filled_slots: bool = True,
-                 fuse_shared: bool = True, compile_prefill: bool = False, sampler_kernel: bool = True):
+    def __init__(self, model, *, compile: bool, cache_bucket: int, compact_rows: bool, fuse_shared: bool = True,
+                 compile_prefill: bool = False):
         super().__init__()
         self.model = model
         self.cache_bucket = cache_bucket
         self.compact_rows = compact_rows
-        self.sampler_kernel = sampler_kernel
+        self.sampler_kernel = True
         self.batch_sizes: list[int] = []  # the last generate call's decode batches, first to last
         self.seconds = 0.0  # in generate calls so far, until their replies were on the GPU
         self.cache_name = cache_argument(model)
@@ -195,7 +196,7 @@ class ReplySampler(torch.nn.Module):
         half = param.device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
         text = model.config.get_text_config()
         kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads  # no GQA: one per head
-        self.kv_heads = kv_heads if filled_slots and half else None
+        self.kv_heads = kv_heads if half else None
         # per batch size: (slots, cache); it only grows, since its graphs are bound to its tensors
         self._caches: dict[int, tuple[int, StaticCache]] = {}
         self._steps: dict[tuple, tuple[DecodeBuffers, callable]] = {}
@@ -276,7 +277,7 @@ class ReplySampler(torch.nn.Module):
         # the filled slots are read as one span a reply, from its first prompt token on
         if self.kv_heads and not bool((attention_mask.long().diff(dim=-1) >= 0).all()):
             raise ValueError("ReplySampler.generate: the prompts are not left-padded (an attention mask's 0s must all "
-                             "come before its 1s); set inference_model.filled_slots=false to attend under any mask")
+                             "come before its 1s): the filled slots are read as one span a reply")
         buf.first_slot.copy_(prompt_len - attention_mask.sum(-1))
         buf.done.zero_()
         buf.step.zero_()

@@ -49,8 +49,7 @@ class TransformersInference(EnginePolicies):
             self.model.eval().requires_grad_(False)
         self.sampler = sampler = ReplySampler(self.model, compile=s.compile, compile_prefill=s.compile_prefill,
                                               cache_bucket=s.cache_bucket,
-                                              compact_rows=s.compact_rows, filled_slots=s.filled_slots,
-                                              fuse_shared=s.fuse_shared, sampler_kernel=s.sampler_kernel)
+                                              compact_rows=s.compact_rows, fuse_shared=s.fuse_shared)
         self.policy, self.greedy_policy, self.sampled_eval_policy = (
             make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
                 s, tokenizer, greedy=greedy, max_new_tokens=cap, stop_ids=stop_ids, temperature=temperature))

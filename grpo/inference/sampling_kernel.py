@@ -1,5 +1,5 @@
 """A decode step's next tokens drawn from full-vocabulary logits by two Triton kernels (GPU only; imported where it
-runs; ``inference_model.sampler_kernel``).
+runs, where top_k/top_p are off; the retired ``inference_model.sampler_kernel`` switched it off).
 
 Why not the compiled ``grpo.inference.sampling`` alone: inductor makes its logsumexp over the vocabulary chunks one
 kernel that reads the logits twice (the maximum, then the sum), then draws within the chosen chunk in a kernel of

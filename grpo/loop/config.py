@@ -24,6 +24,26 @@ IMPORTANCE_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate",
 def inference_is_cap_now(cap) -> str:
     """What a config or checkpoint of ``train.inference_is_cap=cap`` writes today."""
     return f"train.importance_sampling=token_truncate train.is_high={cap}"
+
+
+# speed switches a measurement settled (docs/configuration.md): gone from the config, their winner always on
+RETIRED_KEYS = {
+    "gpu_run_threads": "each process of a GPU run now always takes one CPU thread",
+    "model.cudnn_attention": "cuDNN's attention is now always off",
+    "inference_model.sampler_kernel": "a GPU now always draws tokens by the Triton kernels where top_k/top_p are off",
+    "inference_model.filled_slots": "a GPU in half precision now always reads the filled KV-cache slots only",
+}
+
+
+def check_retired_overrides(overrides) -> None:
+    """A command-line override of a retired key stops the run in one line that says what replaced it (Hydra's own
+    refusal only says the key is not in the config)."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        if key in RETIRED_KEYS:
+            raise ConfigError(f"{key} is retired: {RETIRED_KEYS[key]} (docs/configuration.md); drop {override!r}.")
+
+
 TRACKERS = ("wandb", "tensorboard", "mlflow", "csv")  # logger=: each through TorchRL's logger (grpo.loop.trackers)
 
 
@@ -96,8 +116,6 @@ def validate_config(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         need(value is None or isinstance(value, (int, float)) and not isinstance(value, bool),
              f"{key}={value!r} must be a number or null.")
-    whole_or_null("gpu_run_threads", "(CPU threads of each process of a GPU run), or null for torch's default (one per "
-                  "core).")
     need(isinstance(cfg.seed, int) and cfg.seed >= 0, f"seed={cfg.seed!r} must be a whole number >= 0 (numpy "
          "refuses negative seeds); e.g. seed=0.")
     o, im = cfg.optimizer, cfg.inference_model
@@ -165,8 +183,7 @@ def validate_config(cfg) -> None:
     need(t.aggregation in ("token_mean", "prompt_mean"), f"train.aggregation={t.aggregation!r}; use token_mean or prompt_mean.")
     need(t.loss_variant in ("grpo", "dr_grpo", "gspo"), f"train.loss_variant={t.loss_variant!r}; use grpo, dr_grpo or gspo.")
     for key in ("train.dynamic_sampling", "train.overlong_filter", "train.packed_sequences", "inference_model.compact_rows",
-                "inference_model.filled_slots", "inference_model.compile_prefill",
-                "inference_model.sampler_kernel", "ref_model.score_early"):
+                "inference_model.compile_prefill", "ref_model.score_early"):
         need(isinstance(OmegaConf.select(cfg, key), bool), f"{key}={OmegaConf.select(cfg, key)!r} must be true or false.")
     need(type(t.max_extra_generation_batches) is int and t.max_extra_generation_batches >= 0,
          f"train.max_extra_generation_batches={t.max_extra_generation_batches!r} must be a whole number >= 0 (extra "

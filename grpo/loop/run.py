@@ -200,7 +200,7 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
 def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Trainer:
     """The policy (sharded over ``world``'s ranks), the frozen reference and the GRPO step; rank 0 then has
     the other ranks build the same (``follow_run``)."""
-    configure_torch(cfg, on_gpu=not devices.cpu)
+    configure_torch(on_gpu=not devices.cpu)
     own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
     gpu = devices.current_gpu(world.rank, world.size)
     if gpu is not None:  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator is made there

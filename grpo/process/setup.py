@@ -46,6 +46,10 @@ def hydra_main(train, script: str, check: Callable, followers=None) -> None:
                 raise_if_interrupted_twice()
                 raise
 
+    from grpo.loop.config import check_retired_overrides
+
+    with clear_errors():  # before Hydra, whose refusal of a removed key says only that it is not in the config
+        check_retired_overrides(sys.argv[1:])
     main()
 
 

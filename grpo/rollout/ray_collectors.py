@@ -62,7 +62,7 @@ class RolloutWorker:
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
         self._own_gpu_current()
-        configure_torch(cfg, on_gpu=device == "cuda")
+        configure_torch(on_gpu=device == "cuda")
         tokenizer = load_tokenizer(cfg.model.name)
         # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
         # pending below, replace its weights before the first batch

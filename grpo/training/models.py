@@ -56,21 +56,21 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def configure_torch(cfg, *, on_gpu: bool) -> None:
+def configure_torch(*, on_gpu: bool) -> None:
     """Process-wide torch settings of a run's process: the attention kernels (``configure_attention_kernels``) and,
-    in a process of a GPU run, ``gpu_run_threads`` CPU threads (a CPU run keeps torch's default, one per core).
+    in a process of a GPU run, one CPU thread (a CPU run keeps torch's default, one per core).
 
     Such a process's CPU tensor work is bookkeeping: micro-batches indexed, masks laid out. For it torch woke one
     OpenMP thread per core, and on an H100 host (16 cores) ten 16-row indexings took ~0.15 ms at the median but up to
     52 ms with 16 threads, at most 0.7 ms with one; before most of the 1.5B bench step's 16 training micro-batches the
-    GPU sat idle 15-51 ms while they ran (benchmarks/README.md)."""
-    configure_attention_kernels(cfg)
-    if on_gpu and cfg.gpu_run_threads is not None:
-        torch.set_num_threads(cfg.gpu_run_threads)
+    GPU sat idle 15-51 ms while they ran, and the step took 7.33 s against 6.80 s (benchmarks/README.md)."""
+    configure_attention_kernels()
+    if on_gpu:
+        torch.set_num_threads(1)
 
 
-def configure_attention_kernels(cfg) -> None:
-    """Which kernels ``scaled_dot_product_attention`` may pick on a GPU (process-wide).
+def configure_attention_kernels() -> None:
+    """Which kernels ``scaled_dot_product_attention`` may pick on a GPU (process-wide): not cuDNN's.
 
     PyTorch prefers cuDNN's attention on Hopper, and cuDNN builds an execution plan for every new
     input shape: about 0.8 ms of CPU per forward call and 1.9 ms per backward, measured on an H200
@@ -78,7 +78,7 @@ def configure_attention_kernels(cfg) -> None:
     generation, every micro-batch trimmed to its own width), so those plans cost seconds per step
     until the shapes repeat. The flash and memory-efficient kernels need no plan.
     """
-    torch.backends.cuda.enable_cudnn_sdp(bool(cfg.model.cudnn_attention))
+    torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def torch_dtype(name: str, device: torch.device) -> torch.dtype:
