@@ -9,7 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, compose
-from grpo.loop.config import RETIRED_KEYS, check_retired_overrides, validate_config, warn_if_too_few_rows
+from grpo.loop.config import validate_config, warn_if_too_few_rows
+from grpo.process.setup import RETIRED_KEYS, check_retired_overrides
 from grpo.process.errors import ConfigError, DataError
 from grpo.tasks.envs import TASKS, load_gsm8k
 
@@ -80,6 +81,7 @@ def test_every_key_has_a_comment(name):
     ("logging.keep_last=-1", r"logging.keep_last=-1 must be >= 0 \(0 or null: keep every checkpoint\)"),
     ("+train.totl_steps=3", r"train.totl_steps is not a config key \(did you mean train.total_steps\?\)"),
     ("+trainer.lr=1", r"trainer is not a config key \(did you mean train\?\)"),
+    ("+model.cudnn_attention=true", r"model.cudnn_attention is retired: cuDNN's attention is now always off"),
     ("train.use_kl_to_ref=yes", r"train.use_kl_to_ref='yes' must be true or false"),  # a non-empty string is true
     ("inference_model.gpu_memory_utilization=1.5", r"inference_model.gpu_memory_utilization=1.5 must be in \(0, 1\]"),    ("inference_model.vllm_log_level=LOUD", r"inference_model.vllm_log_level='LOUD'; use one of DEBUG, INFO, WARNING"),
 ])

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from grpo.process.errors import ConfigError
+from grpo.process.setup import RETIRED_KEYS
 from grpo.tasks.envs import TASKS
 from grpo.tasks.rewards import ANSWER_EXTRACTIONS
 from grpo.tasks.tool_env import check_turn_config
@@ -27,23 +28,6 @@ def inference_is_cap_now(cap) -> str:
 
 
 # speed switches a measurement settled (docs/configuration.md): gone from the config, their winner always on
-RETIRED_KEYS = {
-    "gpu_run_threads": "each process of a GPU run now always takes one CPU thread",
-    "model.cudnn_attention": "cuDNN's attention is now always off",
-    "inference_model.sampler_kernel": "a GPU now always draws tokens by the Triton kernels where top_k/top_p are off",
-    "inference_model.filled_slots": "a GPU in half precision now always reads the filled KV-cache slots only",
-}
-
-
-def check_retired_overrides(overrides) -> None:
-    """A command-line override of a retired key stops the run in one line that says what replaced it (Hydra's own
-    refusal only says the key is not in the config)."""
-    for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
-        if key in RETIRED_KEYS:
-            raise ConfigError(f"{key} is retired: {RETIRED_KEYS[key]} (docs/configuration.md); drop {override!r}.")
-
-
 TRACKERS = ("wandb", "tensorboard", "mlflow", "csv")  # logger=: each through TorchRL's logger (grpo.loop.trackers)
 
 
@@ -63,6 +47,8 @@ def check_keys_and_types(cfg) -> None:
     def walk(node: dict, schema: dict, path: str) -> None:
         for key, value in node.items():
             where = f"{path}{key}"
+            if where in RETIRED_KEYS:
+                raise ConfigError(f"{where} is retired: {RETIRED_KEYS[where]} (docs/configuration.md); drop it.")
             if key not in schema:
                 close = difflib.get_close_matches(str(key), [str(k) for k in schema], n=1)
                 raise ConfigError(f"{where} is not a config key{f' (did you mean {path}{close[0]}?)' if close else ''};"
