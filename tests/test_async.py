@@ -55,19 +55,11 @@ def last_checkpoint(run_dir) -> dict:
     return json.loads(list_checkpoints(run_dir / "checkpoints")[-1].read_text())
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """An uninterrupted run: the prompt sequence every interrupted one must reproduce."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    proc = run_async(run_dir, *EXACT, f"train.total_steps={STEPS}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return prompt_sequence(run_dir)
-
-
-def test_uninterrupted_run_trains_the_stream_from_its_first_batch(straight):
-    """Sync and async share one stream: step k trains batch k-1 (4 prompts a batch here)."""
+def stream_batches(n: int) -> list[list[int]]:
+    """The prompt sets of the stream's first ``n`` batches (4 prompts a batch here): sync and async share one stream,
+    and a run that drops nothing trains batch k-1 at step k, interrupted or not."""
     stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
-    assert straight == [sorted(set(stream.batch(k, 4))) for k in range(STEPS)]
+    return [sorted(set(stream.batch(k, 4))) for k in range(n)]
 
 
 def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_path):
@@ -208,12 +200,14 @@ def finish(proc, timeout=240) -> str:
             proc.kill()
 
 
-def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt_stream(straight, tmp_path):
-    """Three runs, one prompt stream: SIGTERM finishes the step, checkpoints and stops the workers (ray.init replaced
-    the SIGTERM handler: the run aborted with SIGABRT and no checkpoint); its resume, checkpointing every step, is
-    killed -9 inside a step, trainer, Ray and workers at once (a resume used to restart the stream: 16 of 64 prompt
-    slots trained twice, 16 prompts never); the second resume ends the run. Together they train exactly the
-    uninterrupted run's prompt batches. (One chain where two tests each started a run and resumed it.)"""
+def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt_stream(tmp_path):
+    """Three runs, one prompt stream: the first, uninterrupted until then, trains the stream from its first batch;
+    SIGTERM finishes the step, checkpoints and stops the workers (ray.init replaced the SIGTERM handler: the run
+    aborted with SIGABRT and no checkpoint); its resume, checkpointing every step, is killed -9 inside a step,
+    trainer, Ray and workers at once (a resume used to restart the stream: 16 of 64 prompt slots trained twice, 16
+    prompts never); the second resume ends the run. Together they train exactly the prompt batches an uninterrupted
+    run does. (One chain where two tests each started a run and resumed it, and a third ran the uninterrupted run
+    the chain was compared with: the stream's batches, which that run was checked to train.)"""
     proc = start(tmp_path, *EXACT, "train.total_steps=1000")
     workers = worker_pids(proc)
     assert workers, "no rollout worker process of this run found"
@@ -222,6 +216,7 @@ def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     stopped = last_checkpoint(tmp_path)["step"]
     assert stopped == step_rows(tmp_path)[-1]["step"] < STEPS - 2
+    assert prompt_sequence(tmp_path) == stream_batches(stopped)  # step k trained batch k-1, from the first
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
     # a shorter run than the one stopped: its cosine schedule changes, which resume refuses unless told
     resumed = [*EXACT, f"train.total_steps={STEPS}", "train.checkpoint_frequency=1", "resume_allow_changes=true",
@@ -238,7 +233,7 @@ def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt
     assert stopped < step_rows(tmp_path)[-1]["step"] < STEPS, "the kill must land in the resumed run, before its end"
     proc = run_async(tmp_path / "again2", *resumed)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert prompt_sequence(tmp_path) == straight
+    assert prompt_sequence(tmp_path) == stream_batches(STEPS)
 
 
 def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoints_and_says_so(tmp_path):
@@ -271,8 +266,7 @@ def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoin
     assert f"emergency checkpoint of step {trained}" in stderr and f"resume={tmp_path}" in stderr
     assert saved["step"] == trained
     # every batch trained once, in stream order, around the restart: the uninterrupted run's batches so far
-    stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
-    assert prompt_sequence(tmp_path) == [sorted(set(stream.batch(k, 4))) for k in range(trained)]
+    assert prompt_sequence(tmp_path) == stream_batches(trained)
     # consumed = every batch handed out minus the pending ones: exactly the trained steps' batches
     state = saved["prompt_stream"]
     assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(trained))
@@ -301,8 +295,7 @@ def test_pool_replaces_a_worker_killed_with_ray_kill():
             seen.append(sorted(set(rollouts.row_index.tolist())))
             pool.commit()
         assert pool.step_metrics()["worker_restarts"] == 1
-        stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
-        assert seen == [sorted(set(stream.batch(k, 4))) for k in range(6)]
+        assert seen == stream_batches(6)
         assert ledger.state() == {"next_batch": 6 + pool.capacity, "pending": list(range(6, 6 + pool.capacity))}
     finally:
         ray.shutdown()
