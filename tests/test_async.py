@@ -55,19 +55,11 @@ def last_checkpoint(run_dir) -> dict:
     return json.loads(list_checkpoints(run_dir / "checkpoints")[-1].read_text())
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """An uninterrupted run: the prompt sequence every interrupted one must reproduce."""
-    run_dir = tmp_path_factory.mktemp("straight")
-    proc = run_async(run_dir, *EXACT, f"train.total_steps={STEPS}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return prompt_sequence(run_dir)
-
-
-def test_uninterrupted_run_trains_the_stream_from_its_first_batch(straight):
-    """Sync and async share one stream: step k trains batch k-1 (4 prompts a batch here)."""
+def stream_batches(n: int) -> list[list[int]]:
+    """The prompt sets of the stream's first ``n`` batches (4 prompts a batch here): sync and async share one stream,
+    and a run that drops nothing trains batch k-1 at step k, interrupted or not."""
     stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
-    assert straight == [sorted(set(stream.batch(k, 4))) for k in range(STEPS)]
+    return [sorted(set(stream.batch(k, 4))) for k in range(n)]
 
 
 def test_no_trained_batch_exceeds_max_policy_lag_and_weights_reach_workers(tmp_path):
@@ -115,20 +107,25 @@ def test_vllm_backend_with_two_workers_runs_and_every_push_is_read_back_from_the
     """It could not run at all: each worker checksummed a model the vLLM engine does not have. Each push is
     now checked against the weights read back from the worker's engine; vLLM logs at WARNING only."""
     pytest.importorskip("vllm", reason="the vLLM backend needs vllm (scripts/install_vllm_cpu.sh on a CPU)")
-    steps = 8
+    steps, lag = 8, 2
     proc = run_async(tmp_path, "inference_model.backend=vllm", "train.num_collectors=2", f"train.total_steps={steps}",
-                     "train.weight_update_frequency=1", "train.buffer_size=1", "train.max_policy_lag=2",
+                     "train.weight_update_frequency=1", "train.buffer_size=1", f"train.max_policy_lag={lag}",
                      "train.importance_sampling=sequence_mask", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = step_rows(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    # a worker applies the latest push before each batch (7 of 8 steps' batches here): each matched the trainer's
-    assert rows[-1]["weight_pushes_verified"] >= steps // 2 and rows[-1]["weight_pushes_mismatched"] == 0
     assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
-    # trained batches are never more than max_policy_lag behind, so by step 8 they come from pushed weights; which
-    # worker delivers them is timing: on the loaded 2-core CI machine one worker's last batch taken by step 8 was
-    # still one generated at version 0 (collector_version_min 0), so nothing is asserted of each worker
-    assert all(r["policy_lag_max"] <= 2 for r in rows)
+    # Only what the pool guarantees whatever the timing (which worker delivers which batch, and when, is not: a
+    # worker whose engine started late delivered its version-0 batch at step 8 on the loaded 2-core CI machine,
+    # dropped as stale). One batch a step, taken at trainer version step - 1: the weights version that generated it.
+    generated = [r["policy_version"] - 1 - r["policy_lag_max"] for r in rows]
+    # never more than max_policy_lag behind (staler batches are dropped), so from step lag + 2 on, pushed weights
+    assert all(step - 1 - lag <= version <= step - 1 for step, version in enumerate(generated, 1)), generated
+    # a worker applies a version once, before the first batch it generates with it, and checks it against the
+    # weights read back from its engine: each version a trained batch came from is a verified push (initial weights
+    # included). With lag 2 a version serves at most 3 consecutive steps, so 8 steps need at least 3 of them.
+    assert len(set(generated)) >= -(-steps // (lag + 1)), generated
+    assert rows[-1]["weight_pushes_verified"] >= len(set(generated)) and rows[-1]["weight_pushes_mismatched"] == 0
     vllm_info = [line for line in (proc.stdout + proc.stderr).splitlines() if re.search(r"pid=\d+\) INFO ", line)]
     assert not vllm_info, vllm_info[:5]
     assert "Failed to load weights" not in proc.stdout + proc.stderr  # a rotary embedding's, at every push
@@ -203,12 +200,14 @@ def finish(proc, timeout=240) -> str:
             proc.kill()
 
 
-def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt_stream(straight, tmp_path):
-    """Three runs, one prompt stream: SIGTERM finishes the step, checkpoints and stops the workers (ray.init replaced
-    the SIGTERM handler: the run aborted with SIGABRT and no checkpoint); its resume, checkpointing every step, is
-    killed -9 inside a step, trainer, Ray and workers at once (a resume used to restart the stream: 16 of 64 prompt
-    slots trained twice, 16 prompts never); the second resume ends the run. Together they train exactly the
-    uninterrupted run's prompt batches. (One chain where two tests each started a run and resumed it.)"""
+def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt_stream(tmp_path):
+    """Three runs, one prompt stream: the first, uninterrupted until then, trains the stream from its first batch;
+    SIGTERM finishes the step, checkpoints and stops the workers (ray.init replaced the SIGTERM handler: the run
+    aborted with SIGABRT and no checkpoint); its resume, checkpointing every step, is killed -9 inside a step,
+    trainer, Ray and workers at once (a resume used to restart the stream: 16 of 64 prompt slots trained twice, 16
+    prompts never); the second resume ends the run. Together they train exactly the prompt batches an uninterrupted
+    run does. (One chain where two tests each started a run and resumed it, and a third ran the uninterrupted run
+    the chain was compared with: the stream's batches, which that run was checked to train.)"""
     proc = start(tmp_path, *EXACT, "train.total_steps=1000")
     workers = worker_pids(proc)
     assert workers, "no rollout worker process of this run found"
@@ -217,6 +216,7 @@ def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     stopped = last_checkpoint(tmp_path)["step"]
     assert stopped == step_rows(tmp_path)[-1]["step"] < STEPS - 2
+    assert prompt_sequence(tmp_path) == stream_batches(stopped)  # step k trained batch k-1, from the first
     assert not any(os.path.exists(f"/proc/{pid}") for pid in workers)
     # a shorter run than the one stopped: its cosine schedule changes, which resume refuses unless told
     resumed = [*EXACT, f"train.total_steps={STEPS}", "train.checkpoint_frequency=1", "resume_allow_changes=true",
@@ -233,7 +233,7 @@ def test_sigterm_then_a_sigkill_of_its_resume_then_resume_trains_the_same_prompt
     assert stopped < step_rows(tmp_path)[-1]["step"] < STEPS, "the kill must land in the resumed run, before its end"
     proc = run_async(tmp_path / "again2", *resumed)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert prompt_sequence(tmp_path) == straight
+    assert prompt_sequence(tmp_path) == stream_batches(STEPS)
 
 
 def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoints_and_says_so(tmp_path):
@@ -266,8 +266,7 @@ def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoin
     assert f"emergency checkpoint of step {trained}" in stderr and f"resume={tmp_path}" in stderr
     assert saved["step"] == trained
     # every batch trained once, in stream order, around the restart: the uninterrupted run's batches so far
-    stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
-    assert prompt_sequence(tmp_path) == [sorted(set(stream.batch(k, 4))) for k in range(trained)]
+    assert prompt_sequence(tmp_path) == stream_batches(trained)
     # consumed = every batch handed out minus the pending ones: exactly the trained steps' batches
     state = saved["prompt_stream"]
     assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(trained))
@@ -296,8 +295,7 @@ def test_pool_replaces_a_worker_killed_with_ray_kill():
             seen.append(sorted(set(rollouts.row_index.tolist())))
             pool.commit()
         assert pool.step_metrics()["worker_restarts"] == 1
-        stream = PromptStream(len(load_gsm8k(str(TINY_DATA), "train")), seed=0)
-        assert seen == [sorted(set(stream.batch(k, 4))) for k in range(6)]
+        assert seen == stream_batches(6)
         assert ledger.state() == {"next_batch": 6 + pool.capacity, "pending": list(range(6, 6 + pool.capacity))}
     finally:
         ray.shutdown()

@@ -120,15 +120,6 @@ def test_a_local_ray_kills_no_actor_for_the_node_s_memory_unless_asked(kill_on_l
             assert ray.get(busy, timeout=120)
 
 
-def test_a_local_ray_is_the_run_s_own_even_beside_a_running_cluster(two_node_cluster):
-    """``ray.address=null`` starts a Ray of the run's own, not the cluster this machine started last (what Ray's
-    ``ray.init()`` without an address joins, even a dead one: a test run hung on one that way)."""
-    cfg = OmegaConf.create({"ray": {"address": None, "num_cpus": 1, "kill_on_low_memory": False},
-                            "train": {"num_collectors": 1}})
-    with ray_session(cfg, DeviceAllocation([], [], [], cpu=True)):
-        assert len(ray.nodes()) == 1 and ray.cluster_resources()["CPU"] == 1  # the cluster: 2 nodes, 2 CPUs
-
-
 def in_a_cluster(address: str, trainer_ranks: int = 1):
     """The async script's Ray session in a cluster (``ray.address``), one inference GPU, as rank 0 enters it."""
     cfg = OmegaConf.create({"ray": {"address": address, "num_cpus": None, "kill_on_low_memory": False},
@@ -136,23 +127,6 @@ def in_a_cluster(address: str, trainer_ranks: int = 1):
                             "ref_model": {"colocate": True}})
     devices = allocate_devices(cfg, inference_engines=1, dedicated_inference=True, placed_by_ray=True, visible_gpus=2)
     return ray_session(cfg, devices, trainer_actors=trainer_ranks - 1)
-
-
-def test_in_a_cluster_rank_0_trains_on_a_gpu_of_its_node_that_ray_holds_and_no_actor_gets(monkeypatch):
-    """Rank 0's node (the head, where this process runs) declares one GPU, its "5"; another node GPU "7". Rank 0 (no
-    actor: Ray gives it no GPU) trains on the one Ray holds for it here from the session's start, which this process,
-    seeing GPUs 4,5, names cuda:1; an actor asking for a GPU, even one started before rank 0 asks which GPU it has
-    (as the other ranks are), gets the other node's, which it names cuda:0 (it sees GPU 7 alone). On 4 H200s, the
-    lease taken at that later point found the head's one GPU taken by rank 1's actor."""
-    with ray_cluster_here(monkeypatch, head_gpus="5", node_gpus="7") as address:
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
-        with in_a_cluster(address):
-            assert ray.available_resources().get("GPU") == 1  # one held for rank 0 from the start
-            probe = GpuProbe.options(num_cpus=0, num_gpus=1,  # it could run on the head
-                                     runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}).remote()
-            assert ray.get(probe.gpu.remote(None), timeout=120) == ("cuda:0", "7")
-            assert ray.get(probe.node.remote()) != ray.get_runtime_context().get_node_id()
-            assert driver_gpu() == 1
 
 
 def test_in_a_cluster_rank_0_s_node_without_a_gpu_in_ray_is_one_line(monkeypatch):
@@ -163,12 +137,46 @@ def test_in_a_cluster_rank_0_s_node_without_a_gpu_in_ray_is_one_line(monkeypatch
                 pass
 
 
-def test_a_cluster_with_fewer_gpus_than_the_run_needs_is_one_line(monkeypatch):
-    """2 trainer ranks and 1 inference GPU need 3 GPUs; the cluster declares 2 (an actor would wait forever)."""
-    with ray_cluster_here(monkeypatch, head_gpus="5", node_gpus="7") as address:
+class TestOneClusterOfTwoNodes:
+    """A Ray cluster (``ray_cluster_here``): a head declaring GPU "5", where this process attaches, and a node of 2
+    CPUs declaring GPU "7". One for the tests of this class (a start is ~10 s a node); the Ray sessions they open
+    end with them."""
+
+    @pytest.fixture(scope="class")
+    def cluster(self):
+        with pytest.MonkeyPatch.context() as monkeypatch, \
+                ray_cluster_here(monkeypatch, head_gpus="5", node_gpus="7") as address:
+            yield address
+
+    def test_a_local_ray_is_the_run_s_own_even_beside_a_running_cluster(self, cluster):
+        """``ray.address=null`` starts a Ray of the run's own, not the cluster this machine started last (what Ray's
+        ``ray.init()`` without an address joins, even a dead one: a test run hung on one that way)."""
+        cfg = OmegaConf.create({"ray": {"address": None, "num_cpus": 1, "kill_on_low_memory": False},
+                                "train": {"num_collectors": 1}})
+        with ray_session(cfg, DeviceAllocation([], [], [], cpu=True)):
+            assert len(ray.nodes()) == 1 and ray.cluster_resources()["CPU"] == 1  # the cluster: 2 nodes, 2 CPUs
+
+    def test_in_a_cluster_rank_0_trains_on_a_gpu_of_its_node_that_ray_holds_and_no_actor_gets(self, cluster,
+                                                                                              monkeypatch):
+        """Rank 0's node (the head, where this process runs) declares one GPU, its "5"; another node GPU "7". Rank 0
+        (no actor: Ray gives it no GPU) trains on the one Ray holds for it here from the session's start, which this
+        process, seeing GPUs 4,5, names cuda:1; an actor asking for a GPU, even one started before rank 0 asks which
+        GPU it has (as the other ranks are), gets the other node's, which it names cuda:0 (it sees GPU 7 alone). On
+        4 H200s, the lease taken at that later point found the head's one GPU taken by rank 1's actor."""
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+        with in_a_cluster(cluster):
+            assert ray.available_resources().get("GPU") == 1  # one held for rank 0 from the start
+            probe = GpuProbe.options(num_cpus=0, num_gpus=1,  # it could run on the head
+                                     runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}).remote()
+            assert ray.get(probe.gpu.remote(None), timeout=120) == ("cuda:0", "7")
+            assert ray.get(probe.node.remote()) != ray.get_runtime_context().get_node_id()
+            assert driver_gpu() == 1
+
+    def test_a_cluster_with_fewer_gpus_than_the_run_needs_is_one_line(self, cluster):
+        """2 trainer ranks and 1 inference GPU need 3 GPUs; the cluster declares 2 (an actor would wait forever)."""
         with pytest.raises(DeviceAllocationError, match=r"The Ray cluster at ray.address=\S+ declares 2 GPU\(s\) but "
                            r"the run needs 3: 2 trainer rank\(s\) \(train_model.num_devices\) and 1 inference GPU"):
-            with in_a_cluster(address, trainer_ranks=2):
+            with in_a_cluster(cluster, trainer_ranks=2):
                 pass
 
 

@@ -11,10 +11,10 @@ from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings
 from grpo.tasks.envs import make_collector, make_env
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
-from grpo.training.logprobs import ReplyLogProbs
+from grpo.training.logprobs import ReplyLogProbs, score_replies
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
-from grpo.training.step import GRPOSettings, GRPOStep
+from grpo.training.step import GRPOSettings, GRPOStep, k3, loss_mask
 from grpo.training.trainer import make_optimizer, make_scheduler
 
 # one group of 4 short episodes of 2 turns: a CPU generates ~2 tokens a second a reply at 0.5B
@@ -43,7 +43,14 @@ def real_tool_step(real_qwen_dir):
     step = GRPOStep(GRPOSettings.from_config(cfg), policy=ReplyLogProbs(policy), optimizer=optimizer,
                     scheduler=make_scheduler(cfg, optimizer, 1), ref_model=ref, pad_token_id=tok.pad_token_id)
     batch, stats = step.prepare(rollouts)
-    return tok, rollouts, batch, stats | step.optimize(batch)
+    # The trainer's log-probs of the episodes before any update, and their k3 KL to the sampler's over the loss's
+    # tokens: the ``mismatch/kl`` the step's first minibatch logs (grpo_terms' kl_to_inference), scored without the
+    # backward and optimiser step, half of this fixture's time, that nothing here checks (test_real_model does,
+    # on this model; test_e2e_tools checks the step's mismatch/kl on tool episodes)
+    mask = loss_mask(batch)
+    trainer = score_replies(batch, step.policy, step.s)
+    stats["mismatch/kl"] = float(k3(batch["behaviour_log_probs"], trainer, mask).sum() / mask.sum())
+    return tok, rollouts, batch, stats
 
 
 def test_qwen_calls_the_tool_in_its_own_format_and_reads_the_sandbox_s_answer(real_tool_step):
