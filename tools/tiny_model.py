@@ -15,6 +15,8 @@ Everything here runs offline on a CPU:
   ``torchrl.data.llm.History.apply_chat_template``).
 * :func:`sft` is a short supervised fine-tuning loop and
   :func:`evaluate_greedy` / :func:`evaluate` score generations on problems.
+* :func:`load_tokenizer` / :func:`load_model` load a saved model back as
+  users do, :func:`model_fixtures` makes them a test module's fixtures.
 
 ``scripts/build_tiny_model.py`` uses these to write ``assets/tiny-model``.
 """
