@@ -23,9 +23,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -44,45 +41,23 @@ def _parse_mix(text: str) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(REPO_ROOT / "assets" / "tiny-model"))
-    ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "gsm8k_tiny"))
-    ap.add_argument("--n-train", type=int, default=2000)
-    ap.add_argument("--n-test", type=int, default=256)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vocab-size", type=int, default=600)
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=4e-3)
-    ap.add_argument("--mix", default="+=0.8,-=0.3,*=0.3", help="P(<answer> style) per operation")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--skip-eval", action="store_true")
-    args = ap.parse_args(argv)
+    from tools import tiny_build as tb
 
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-    import transformers
+    ap = tb.parser(__doc__, out=REPO_ROOT / "assets" / "tiny-model", data_dir=REPO_ROOT / "data" / "gsm8k_tiny",
+                   seed=0, vocab_size=600, steps=1000, lr=4e-3, threads=2)
+    ap.add_argument("--mix", default="+=0.8,-=0.3,*=0.3", help="P(<answer> style) per operation")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    args = ap.parse_args(argv)
+    t_start = tb.start(args.threads, args.seed)
 
     from tools import synthetic
     from tools import tiny_model as tm
 
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t_start = time.time()
-
-    train_path, test_path = synthetic.write_splits(args.data_dir, args.n_train, args.n_test, args.seed)
-    train = synthetic.read_jsonl(train_path)
-    test = synthetic.read_jsonl(test_path)
-    print(f"data: {len(train)} train -> {train_path}, {len(test)} test -> {test_path}")
-
+    train, test = tb.splits(synthetic, args)
     tok = tm.build_tokenizer(train, vocab_size=args.vocab_size)
     print(f"tokenizer: {len(tok)} tokens")
     model = tm.build_model(tok, num_layers=args.layers, seed=args.seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen2 {args.layers} layers, {n_params} parameters")
+    n_params = tb.count_parameters(model, args.layers)
 
     styles = tm.assign_styles(train, _parse_mix(args.mix), seed=args.seed)
     examples = [
@@ -96,55 +71,18 @@ def main(argv: list[str] | None = None) -> dict:
     sft_s = time.time() - t0
     print(f"sft: {args.steps} steps in {sft_s:.0f}s, final loss {losses[-1]:.4f}")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    size = tm.model_file_size(out)
-    print(f"saved to {out}: safetensors {size / 1e6:.2f} MB")
-
-    info = {
-        "seed": args.seed,
-        "n_train": len(train),
-        "n_test": len(test),
-        "vocab_size": len(tok),
-        "num_layers": args.layers,
-        "n_params": n_params,
-        "safetensors_bytes": size,
-        "sft_steps": args.steps,
-        "sft_batch_size": args.batch_size,
-        "sft_lr": args.lr,
-        "sft_answer_prob": _parse_mix(args.mix),
-        "sft_seconds": round(sft_s, 1),
-        "sft_final_loss": round(losses[-1], 4),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    size = tb.save(model, tok, args.out)
+    info = tb.build_info(args, train=train, test=test, tok=tok, n_params=n_params, size=size, losses=losses,
+                         sft_seconds=sft_s, after={"sft_lr": {"sft_answer_prob": _parse_mix(args.mix)}})
     if not args.skip_eval:
-        # Evaluate what was saved, loaded back the way users load it.
-        model = transformers.AutoModelForCausalLM.from_pretrained(out)
-        tok = transformers.AutoTokenizer.from_pretrained(out)
-        t0 = time.time()
-        greedy = tm.evaluate_greedy(model, tok, test, args.max_new_tokens)
-        sampled = tm.evaluate(model, tok, test, args.max_new_tokens, temperature=1.0, seed=args.seed)
-        info["eval_seconds"] = round(time.time() - t0, 1)
-        info["test_greedy"] = greedy
-        info["test_sampled_t1"] = sampled
-        print(
-            f"test greedy : accuracy {greedy['accuracy']:.3f}  format {greedy['format_rate']:.3f}  "
-            f"number-correct (any format) {greedy['number_accuracy']:.3f}"
-        )
-        print(
-            f"test sampled (T=1): accuracy {sampled['accuracy']:.3f}  format {sampled['format_rate']:.3f}  "
-            f"number-correct (any format) {sampled['number_accuracy']:.3f}"
-        )
-    info["total_seconds"] = round(time.time() - t_start, 1)
-    with open(out / "build_info.json", "w") as f:
-        json.dump(info, f, indent=2)
-        f.write("\n")
-    print(f"total {info['total_seconds']:.0f}s")
-    return info
+        results = tb.evaluate_saved(args.out, info, lambda model, tok: {
+            "test_greedy": tm.evaluate_greedy(model, tok, test, args.max_new_tokens),
+            "test_sampled_t1": tm.evaluate(model, tok, test, args.max_new_tokens, temperature=1.0, seed=args.seed),
+        })
+        for name, r in (("test greedy ", results["test_greedy"]), ("test sampled (T=1)", results["test_sampled_t1"])):
+            print(f"{name}: accuracy {r['accuracy']:.3f}  format {r['format_rate']:.3f}  "
+                  f"number-correct (any format) {r['number_accuracy']:.3f}")
+    return tb.finish(info, args.out, t_start)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,7 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import re
 import sys
 import time
@@ -157,60 +155,38 @@ def _fmt(name: str, r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=str(REPO_ROOT / "assets" / "tiny-tools-model"))
-    ap.add_argument("--data-dir", default=str(REPO_ROOT / "data" / "tools_tiny"))
-    ap.add_argument("--n-train", type=int, default=2000)
-    ap.add_argument("--n-test", type=int, default=256)
+    from tools import tiny_build as tb
+
     # Seed 1: whether SFT learns to copy digits reliably depends on the seed (on 2 cores, 800 steps: seed 1
-    # copies the tool result right in 99.6 % of greedy episodes, seeds 0 and 2 in 75 %; see tiny_tools.build_model)
-    ap.add_argument("--seed", type=int, default=1, help="seed of the data splits")
+    # copies the tool result right in 99.6 % of greedy episodes, seeds 0 and 2 in 75 %; see tiny_tools.build_model).
+    # One thread: the float sums, hence the weights built, then do not depend on the number of cores.
+    ap = tb.parser(__doc__, out=REPO_ROOT / "assets" / "tiny-tools-model", data_dir=REPO_ROOT / "data" / "tools_tiny",
+                   seed=1, seed_help="seed of the data splits", vocab_size=640, steps=800, lr=1e-3, threads=1)
     ap.add_argument("--init-seed", type=int, default=None,
                     help="seed of the initial weights, the SFT problems and their order (default: --seed)")
-    ap.add_argument("--vocab-size", type=int, default=640)
-    ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=256)
     ap.add_argument("--rope-theta", type=float, default=1000.0)
     ap.add_argument("--sft-problems", type=int, default=24000,
                     help="fresh problems for SFT (a stream of their own, test expressions left out)")
-    ap.add_argument("--steps", type=int, default=800)
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--tool-rows", type=float, default=0.85, help="fraction of SFT episodes that call the tool")
     ap.add_argument("--call-frac", type=float, default=0.3,
                     help="fraction of the trained decision tokens (first assistant token) that are <tool_call>")
-    # one thread: the float sums, hence the weights built, then do not depend on the number of cores
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--skip-eval", action="store_true")
     args = ap.parse_args(argv)
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import torch
-    import transformers
+    init_seed = args.seed if args.init_seed is None else args.init_seed
+    t_start = tb.start(args.threads, init_seed)
 
     from tools import synthetic_tools as st
     from tools import tiny_model as tm
     from tools import tiny_tools as tt
 
-    transformers.logging.set_verbosity_error()
-    torch.set_num_threads(args.threads)
-    init_seed = args.seed if args.init_seed is None else args.init_seed
-    torch.manual_seed(init_seed)
-    t_start = time.time()
-
-    train_path, test_path = st.write_splits(args.data_dir, args.n_train, args.n_test, args.seed)
-    train = st.read_jsonl(train_path)
-    test = st.read_jsonl(test_path)
-    print(f"data: {len(train)} train -> {train_path}, {len(test)} test -> {test_path}")
-
+    train, test = tb.splits(st, args)
     tok = tt.build_tokenizer(train, vocab_size=args.vocab_size)
     print(f"tokenizer: {len(tok)} tokens; tags " + ", ".join(f"{t}={tok.convert_tokens_to_ids(t)}" for t in tt.TAG_TOKENS)
           + f", {tt.IM_END}={tok.eos_token_id}")
     model = tt.build_model(tok, num_layers=args.layers, num_kv_heads=args.kv_heads,
                            intermediate_size=args.intermediate, rope_theta=args.rope_theta, seed=init_seed)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: Qwen2 {args.layers} layers, {n_params} parameters")
+    n_params = tb.count_parameters(model, args.layers)
 
     test_exprs = {st.expression(p) for p in test}
     sft_problems = [p for p in st.make_problems(args.sft_problems, f"sft-{init_seed}") if st.expression(p) not in test_exprs]
@@ -226,65 +202,34 @@ def main(argv: list[str] | None = None) -> dict:
     sft_s = time.time() - t0
     print(f"sft: {args.steps} steps in {sft_s:.0f}s, final loss {losses[-1]:.4f}")
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    for f in out.iterdir():  # safetensors writes its file 0600: readable by all like the other files
-        if f.is_file():
-            f.chmod(0o644)
-    size = tt.model_file_size(out)
-    print(f"saved to {out}: safetensors {size / 1e6:.2f} MB")
-
-    info = {
-        "seed": args.seed,
-        "init_seed": init_seed,
-        "n_train": len(train),
-        "n_test": len(test),
-        "vocab_size": len(tok),
-        "token_ids": {t: tok.convert_tokens_to_ids(t) for t in tt.TAG_TOKENS + tt.SPECIAL_TOKENS},
-        "num_layers": args.layers,
-        "n_params": n_params,
-        "safetensors_bytes": size,
-        "sft_steps": args.steps,
-        "sft_batch_size": args.batch_size,
-        "sft_lr": args.lr,
-        "kv_heads": args.kv_heads,
-        "intermediate_size": args.intermediate,
-        "rope_theta": args.rope_theta,
-        "sft_problems": len(sft_problems),
-        "sft_counts": counts,
-        "sft_max_tokens": max(lengths),
-        "sft_seconds": round(sft_s, 1),
-        "sft_final_loss": round(losses[-1], 4),
-        "threads": args.threads,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
+    size = tb.save(model, tok, args.out)
+    info = tb.build_info(args, train=train, test=test, tok=tok, n_params=n_params, size=size, losses=losses,
+                         sft_seconds=sft_s, after={
+                             "seed": {"init_seed": init_seed},
+                             "vocab_size": {"token_ids": {t: tok.convert_tokens_to_ids(t)
+                                                          for t in tt.TAG_TOKENS + tt.SPECIAL_TOKENS}},
+                             "sft_lr": {
+                                 "kv_heads": args.kv_heads,
+                                 "intermediate_size": args.intermediate,
+                                 "rope_theta": args.rope_theta,
+                                 "sft_problems": len(sft_problems),
+                                 "sft_counts": counts,
+                                 "sft_max_tokens": max(lengths),
+                             },
+                         })
     if not args.skip_eval:
-        # Evaluate what was saved, loaded back the way users load it.
-        model = transformers.AutoModelForCausalLM.from_pretrained(out)
-        tok = transformers.AutoTokenizer.from_pretrained(out)
-        t0 = time.time()
-        runs = {
+        runs = tb.evaluate_saved(args.out, info, lambda model, tok: {
             "test_sampled_t1": simulate(model, tok, test, temperature=1.0, seed=args.seed),
             "test_greedy": simulate(model, tok, test, temperature=0.0),
             "test_forced_call_greedy": simulate(model, tok, test, temperature=0.0, force_call=True),
             "train_sampled_t1": simulate(model, tok, train[:256], temperature=1.0, seed=args.seed),
-        }
-        info["eval_seconds"] = round(time.time() - t0, 1)
+        })
         for name, r in runs.items():
             print(_fmt(name, r))
         print("examples (test, sampled):")
         for e in runs["test_sampled_t1"]["examples"]:
             print("  ", json.dumps(e))
-        info.update(runs)
-    info["total_seconds"] = round(time.time() - t_start, 1)
-    with open(out / "build_info.json", "w") as f:
-        json.dump(info, f, indent=2)
-        f.write("\n")
-    print(f"total {info['total_seconds']:.0f}s")
-    return info
+    return tb.finish(info, args.out, t_start)
 
 
 if __name__ == "__main__":

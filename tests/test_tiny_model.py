@@ -15,16 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "assets" / "tiny-model"
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return transformers.AutoTokenizer.from_pretrained(MODEL_DIR, local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True)
-    m.eval()
-    return m
+tok, model = tm.model_fixtures(MODEL_DIR)
 
 
 def test_tokenizer_special_and_tag_tokens(tok):

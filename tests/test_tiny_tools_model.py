@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 from grpo.tasks.python_tool import PYTHON_TOOL
 from tools import synthetic_tools as st
 from tools import tiny_tools as tt
+from tools.tiny_model import model_fixtures
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO / "assets" / "tiny-tools-model"
@@ -25,16 +26,7 @@ TOOLS_BLOCK = (
 )
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return transformers.AutoTokenizer.from_pretrained(MODEL_DIR, local_files_only=True)
-
-
-@pytest.fixture(scope="module")
-def model():
-    m = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True)
-    m.eval()
-    return m
+tok, model = model_fixtures(MODEL_DIR)
 
 
 @pytest.fixture(scope="module")

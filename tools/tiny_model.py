@@ -15,6 +15,8 @@ Everything here runs offline on a CPU:
   ``torchrl.data.llm.History.apply_chat_template``).
 * :func:`sft` is a short supervised fine-tuning loop and
   :func:`evaluate_greedy` / :func:`evaluate` score generations on problems.
+* :func:`load_tokenizer` / :func:`load_model` load a saved model back as
+  users do, :func:`model_fixtures` makes them a test module's fixtures.
 
 ``scripts/build_tiny_model.py`` uses these to write ``assets/tiny-model``.
 """
@@ -39,6 +41,8 @@ __all__ = [
     "IM_START",
     "IM_END",
     "CHAT_TEMPLATE",
+    "CHATML_ASSISTANT_TURN",
+    "CHATML_OTHER_TURN_AND_END",
     "SPECIAL_TOKENS",
     "TAG_TOKENS",
     "STYLES",
@@ -58,6 +62,9 @@ __all__ = [
     "evaluate",
     "evaluate_greedy",
     "model_file_size",
+    "load_tokenizer",
+    "load_model",
+    "model_fixtures",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -74,12 +81,14 @@ TAG_TOKENS = ("<think>", "</think>", "<answer>", "</answer>")
 # renders the same text as TorchRL's ``chatml_format`` and (for conversations
 # that start with a system turn) ``qwen`` templates; like them, the assistant
 # mask covers the content but not the closing ``<|im_end|>``.
-CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'assistant' -%}"
+# Its two pieces that tools/tiny_tools.CHAT_TEMPLATE shares: an assistant turn, and the branch for any other
+# turn that closes the loop over the messages, then the generation prompt.
+CHATML_ASSISTANT_TURN = (
     "{{- '<|im_start|>assistant\\n' -}}"
     "{% generation %}{{- message['content'] -}}{% endgeneration %}"
     "{{- '<|im_end|>\\n' -}}"
+)
+CHATML_OTHER_TURN_AND_END = (
     "{%- else -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
@@ -88,11 +97,16 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- endif -%}"
 )
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    + CHATML_ASSISTANT_TURN
+    + CHATML_OTHER_TURN_AND_END
+)
 
 # Response styles used for SFT targets. Only "answer" earns the GSM8K reward.
 STYLES = ("answer", "plain", "hash")
 
-_TAG_SPLIT_RE = re.compile("(" + "|".join(re.escape(t) for t in TAG_TOKENS) + ")")
 _THINK_RE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _INT_RE = re.compile(r"-?\d+")
@@ -122,11 +136,7 @@ def _tokenizer_corpus(problems: Sequence[dict]) -> list[str]:
     # its words get merged into few tokens.
     texts += [sp] * max(1, len(problems) // 4)
     texts += ["system\n", "user\n", "assistant\n"] * 10
-    # Tags are added tokens: keep them out of the BPE statistics.
-    out = []
-    for t in texts:
-        out.extend(s for s in _TAG_SPLIT_RE.split(t) if s and s not in TAG_TOKENS)
-    return out
+    return texts
 
 
 def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
@@ -150,7 +160,10 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 600):
 
 def train_qwen2_tokenizer(corpus: Sequence[str], vocab_size: int, *, tags: Sequence[str], chat_template: str):
     """A byte-level BPE trained on ``corpus`` with ``Qwen2Tokenizer``'s own pipeline, as that class: ChatML special
-    tokens, ``tags`` as non-special added tokens (``vocab_size`` counts them), left padding, ``chat_template``."""
+    tokens, ``tags`` as non-special added tokens (``vocab_size`` counts them), left padding, ``chat_template``.
+
+    The special tokens and tags in ``corpus`` are cut out of it first: added tokens, they stay out of the BPE
+    statistics."""
     import json
 
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -171,7 +184,9 @@ def train_qwen2_tokenizer(corpus: Sequence[str], vocab_size: int, *, tags: Seque
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator(corpus, trainer)
+    added = (*SPECIAL_TOKENS, *tags)
+    split_re = re.compile("(" + "|".join(re.escape(t) for t in added) + ")")
+    backend.train_from_iterator([s for t in corpus for s in split_re.split(t) if s and s not in added], trainer)
     model_state = json.loads(backend.to_str())["model"]
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model_state["merges"]]
 
@@ -247,6 +262,36 @@ def build_model(
 def model_file_size(model_dir: str | Path = DEFAULT_MODEL_DIR) -> int:
     """Total size in bytes of the ``*.safetensors`` files in ``model_dir``."""
     return sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+
+
+def load_tokenizer(model_dir: str | Path = DEFAULT_MODEL_DIR):
+    """The tokenizer saved in ``model_dir``, loaded the way users load it (``AutoTokenizer``)."""
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_model(model_dir: str | Path = DEFAULT_MODEL_DIR):
+    """The model saved in ``model_dir``, loaded the way users load it (``AutoModelForCausalLM``), in eval mode."""
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+
+
+def model_fixtures(model_dir: str | Path = DEFAULT_MODEL_DIR):
+    """Module-scoped pytest fixtures ``tok`` and ``model`` (:func:`load_tokenizer`, :func:`load_model` of
+    ``model_dir``), for a test module to bind at its top level: ``tok, model = model_fixtures(MODEL_DIR)``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def tok():
+        return load_tokenizer(model_dir)
+
+    @pytest.fixture(scope="module")
+    def model():
+        return load_model(model_dir)
+
+    return tok, model
 
 
 # --------------------------------------------------------------------------

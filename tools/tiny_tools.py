@@ -44,12 +44,13 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 from grpo.tasks.python_tool import PYTHON_TOOL
 from tools import tiny_model
 from tools.synthetic_tools import expression, parse_answer
 from tools.tiny_model import (
+    CHATML_ASSISTANT_TURN,
+    CHATML_OTHER_TURN_AND_END,
     IM_END,
     IM_START,
     PAD_TOKEN,
@@ -64,6 +65,7 @@ __all__ = [
     "DEFAULT_MODEL_DIR",
     "IM_END",
     "IM_START",
+    "MODEL_SETTINGS",
     "PAD_TOKEN",
     "PYTHON_TOOL",
     "SPECIAL_TOKENS",
@@ -85,8 +87,7 @@ __all__ = [
     "wrong_answer",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL_DIR = REPO_ROOT / "assets" / "tiny-tools-model"
+DEFAULT_MODEL_DIR = tiny_model.REPO_ROOT / "assets" / "tiny-tools-model"
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESPONSE_OPEN, RESPONSE_CLOSE = "<tool_response>", "</tool_response>"
@@ -113,21 +114,12 @@ CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
     "{%- if tools and loop.first and message['role'] == 'system' -%}"
     "{%- elif message['role'] == 'assistant' -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{% generation %}{{- message['content'] -}}{% endgeneration %}"
-    "{{- '<|im_end|>\\n' -}}"
-    "{%- elif message['role'] == 'tool' -%}"
+    + CHATML_ASSISTANT_TURN
+    + "{%- elif message['role'] == 'tool' -%}"
     "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- endif -%}"
+    + CHATML_OTHER_TURN_AND_END
 )
 
-_SPLIT_RE = re.compile("(" + "|".join(re.escape(t) for t in SPECIAL_TOKENS + TAG_TOKENS) + ")")
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 _PRINT_RE = re.compile(r"print\((\d+) ([+\-*]) (\d+)\)")
 
@@ -327,11 +319,7 @@ def _tokenizer_corpus(tokenizer_for_template, problems: Sequence[dict]) -> list[
     for i, p in enumerate(problems):
         kind = "tool" if i % 2 == 0 else "direct"
         texts.extend(t for t, _ in episode_pieces(tokenizer_for_template, p, kind, rng))
-    # Special tokens and tags are added tokens: keep them out of the BPE statistics.
-    out = []
-    for t in texts:
-        out.extend(s for s in _SPLIT_RE.split(t) if s and s not in SPECIAL_TOKENS + TAG_TOKENS)
-    return out
+    return texts  # train_qwen2_tokenizer keeps the special tokens and tags out of the BPE statistics
 
 
 class _TemplateOnly:
@@ -369,19 +357,15 @@ def build_tokenizer(problems: Sequence[dict], vocab_size: int = 640):
 # --------------------------------------------------------------------------
 
 
-def build_model(
-    tokenizer,
-    *,
-    num_layers: int = 3,
-    num_heads: int = 4,
-    num_kv_heads: int = 4,
-    intermediate_size: int = 256,
-    rope_theta: float = 1000.0,
-    seed: int = 0,
-):
+# the settings of :func:`build_model` that differ from :func:`tools.tiny_model.build_model`'s
+MODEL_SETTINGS = {"num_kv_heads": 4, "intermediate_size": 256, "rope_theta": 1000.0}
+
+
+def build_model(tokenizer, **settings):
     """A random-init ``Qwen2ForCausalLM``: :func:`tools.tiny_model.build_model`'s
-    (hidden 128, 4 heads of 32, tied embeddings, 512 positions, eos
-    ``<|im_end|>``) with the settings under which copying digits (question ->
+    (hidden 128, 3 layers, 4 heads of 32, tied embeddings, 512 positions, eos
+    ``<|im_end|>``; ``settings``: its keyword arguments) with :data:`MODEL_SETTINGS`,
+    the settings under which copying digits (question ->
     tool call, tool result -> answer) was learnt in the fewest SFT steps in a
     sweep (GPU, several seeds): no grouped KV heads, MLP 256 and RoPE base 1000
     (Qwen2's default 10000 and 2 KV heads: no copying after 1200 steps for most
@@ -389,7 +373,4 @@ def build_model(
     in 10). Even so, whether the copy comes out exact or only ~75 % right
     (repeated digits confused) depends on the seed.
     """
-    return tiny_model.build_model(
-        tokenizer, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size, rope_theta=rope_theta, seed=seed,
-    )
+    return tiny_model.build_model(tokenizer, **{**MODEL_SETTINGS, **settings})
