@@ -1,4 +1,5 @@
 import contextlib
+import fcntl
 import importlib.util
 import io
 import os
@@ -52,6 +53,16 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -SLOW_FILES.get(item.path.name, 0))  # stable: each file's tests keep their order
+
+
+@pytest.fixture(scope="module")
+def one_real_model_at_a_time(tmp_path_factory):
+    """Held by a module that trains a real model in the test process: Qwen 0.5B with its reference and AdamW state
+    took 17 GB, and with the other xdist worker's 6.5 GB CI's 24 GB machine killed a worker for memory
+    (2026-11-29). The workers of one run share the lock file, so such modules take turns."""
+    with open(tmp_path_factory.getbasetemp().parent / "one-real-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ SETUPS = {  # model -> (its folder's fixture, config, overrides)
 
 
 @pytest.fixture(scope="module", params=sorted(SETUPS))
-def real_step(request):
+def real_step(request, one_real_model_at_a_time):
     model_fixture, config, overrides = SETUPS[request.param]
     cfg = compose(config, [f"model.name={request.getfixturevalue(model_fixture)}", *ONE_STEP, *overrides])
     cpu = torch.device("cpu")

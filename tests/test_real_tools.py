@@ -28,7 +28,7 @@ OVERRIDES = ["allow_cpu=true", f"env.dataset={TINY_DATA}", "inference_model.max_
 
 
 @pytest.fixture(scope="module")
-def real_tool_step(real_qwen_dir):
+def real_tool_step(real_qwen_dir, one_real_model_at_a_time):
     cfg = compose("grpo_qwen05b_tools", [f"model.name={real_qwen_dir}", *OVERRIDES])
     cpu = torch.device("cpu")
     torch.manual_seed(0)
