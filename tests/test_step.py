@@ -417,6 +417,36 @@ def test_importance_sampling_scores_the_trainer_log_probs_in_prepare(setup):
     assert stats["mismatch/masked_token_fraction"] == stats["mismatch/masked_reply_fraction"] == 0
 
 
+def test_under_autocast_the_log_probs_scored_before_the_update_are_those_the_loss_takes(setup):
+    """Mixed precision: the trainer's log-probs that importance sampling scores before the update come from the same
+    bf16 autocast pass as the loss's (``ReplyLogProbs``' ``autocast_dtype``), so before any update the ratio is 1,
+    with float32 weights off the bf16 grid as training leaves them. Scored in float32 while the loss autocast, the
+    real 0.5B's ratios spread (effective sample size 0.31 by step 5) and its accuracy fell to 0 (async, an H200)."""
+    cfg, tok, model, rollouts, _ = setup
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + 1e-3 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
+        settings = dataclasses.replace(GRPOSettings.from_config(cfg), importance_sampling="token_truncate",
+                                       micro_batch_size=3)
+        policy = ReplyLogProbs(model, packed=settings.packed_sequences, autocast_dtype=torch.bfloat16)
+        optimizer = make_optimizer(cfg, model)
+        step = GRPOStep(settings, policy=policy, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100),
+                        pad_token_id=tok.pad_token_id)
+        batch, _ = step.prepare(Replies.from_collector(rollouts))
+        terms = grpo_terms(policy, batch, settings)
+        assert float(terms["clip_fraction"]) == 0 and float(terms["kl_approx"]) == pytest.approx(0, abs=1e-6)
+        assert float(terms["ess"]) == pytest.approx(1, abs=1e-6)
+        mask = batch["reply_mask"]
+        float32 = score_replies(batch, ReplyLogProbs(model, packed=settings.packed_sequences), settings)
+        assert float((float32 - batch["trainer_log_probs"])[mask].abs().max()) > 1e-2  # what it took before
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(before[n])
+
+
 def test_compiled_loss_matches_eager_in_value_and_gradient(setup):
     """train_model.compile=true runs the same maths: loss, metrics and gradients match the eager
     objective, on micro-batches of two different widths. The decoder layers share one compiled graph, the

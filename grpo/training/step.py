@@ -42,7 +42,7 @@ from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batch_rows, rollout_metrics, to_training_batch, trim_padding
 from grpo.training.importance import add_importance_weights
 from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
-from grpo.training.models import autocast_if, train_mode_if
+from grpo.training.models import train_mode_if
 from grpo.training.reference import ReferenceScores
 
 
@@ -186,8 +186,7 @@ class GRPOStep:
                         micro = micro_on_device(trim_padding(minibatch[world.share(rows)]), device,
                                                 s.packed_sequences)
                         set_gradient_sync(self.policy, i == len(cuts) - 1)  # one gradient sync per minibatch
-                        with autocast_if(s.mixed_precision, self.policy):
-                            terms = grpo_terms(self.policy, micro, s, totals)
+                        terms = grpo_terms(self.policy, micro, s, totals)
                         weighted_loss(terms, s).backward()
                         for name, value in logged_terms(terms, s).items():
                             sums[name] = sums[name] + value

@@ -13,7 +13,7 @@ from grpo.process.setup import freeze_long_lived_objects
 from grpo.process.world import World, is_sharded
 from grpo.training import checkpoint as ckpt
 from grpo.training.logprobs import ReplyLogProbs
-from grpo.training.models import inference_state_dict
+from grpo.training.models import inference_state_dict, mixed_precision_dtype
 from grpo.training.step import GRPOSettings, GRPOStep
 
 
@@ -35,7 +35,8 @@ class Trainer:
         # CPU: always float32; mixed_precision=false: float32 compute asked for
         gather_dtype = cfg.train_model.gather_dtype if torch.cuda.is_available() and settings.mixed_precision else None
         # before the optimiser: it holds the shards
-        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature, settings.packed_sequences),
+        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature, settings.packed_sequences,
+                                           mixed_precision_dtype(settings.mixed_precision, policy_model)),
                              reshard_after_forward=cfg.train_model.reshard_after_forward,
                              gather_dtype=getattr(torch, gather_dtype) if gather_dtype else None)
         self.optimizer = make_optimizer(cfg, policy_model)
