@@ -18,7 +18,7 @@ Data: ``data/gsm8k_real/{train,test}.jsonl``, the 1,319 rows of the GSM8K *test*
 
 Idempotent: whatever already exists is skipped. Usage::
 
-    python scripts/fetch_real_assets.py                    # SmolLM2, the Qwen 0.5B and the data (~2 min on 2 cores)
+    python scripts/fetch_real_assets.py                    # SmolLM2, the Qwen 0.5B and the data (~70 s on 2 cores)
     python scripts/fetch_real_assets.py --models qwen2.5-coder-1.5b --model-only
     python scripts/fetch_real_assets.py --models qwen2.5-coder-0.5b --gguf X.gguf --tokenizer-from DIR --model-only  # GPU machine
 """
@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import functools
 import gzip
 import hashlib
 import json
@@ -161,6 +163,31 @@ def join_gguf(spec: RealModel, cache: Path) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """transformers parses the gguf's metadata anew for the tokenizer, each config and the weights (~7 s each on
+    2 cores for Qwen's 151k-token vocab) and rebuilds gguf's tensor-name map once per module (397 times for
+    SmolLM2): each is done once here, the same work on the same file, so the folder written is the same."""
+    from unittest import mock
+
+    import gguf
+    from transformers import modeling_gguf_pytorch_utils
+
+    readers = functools.cache(gguf.GGUFReader)  # read-only memory maps of one unchanged file
+    load = modeling_gguf_pytorch_utils.load_gguf_checkpoint
+    metadata = functools.cache(lambda path: load(path, return_tensors=False))
+
+    def load_once(path, return_tensors=False, **kwargs):
+        if return_tensors:
+            return load(path, return_tensors=True, **kwargs)
+        return copy.deepcopy(metadata(str(path)))  # each caller gets its own, as from a fresh parse
+
+    with mock.patch.object(gguf, "GGUFReader", lambda path: readers(str(path))), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)), \
+            mock.patch.object(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", load_once):
+        yield
+
+
 def convert_model(spec: RealModel, gguf: Path, tmp: Path, tokenizer_from: Path | None) -> None:
     """Dequantize ``gguf`` into a plain bf16 transformers folder ``tmp``."""
     import torch
@@ -248,7 +275,7 @@ def fetch_model(name: str, args: argparse.Namespace) -> None:
     check_sha256(gguf, spec.sha256)
     print(f"{name}: gguf ready and checked: {time.perf_counter() - t:.1f} s")
     t = time.perf_counter()
-    with staged(out) as tmp:
+    with staged(out) as tmp, gguf_parsed_once():
         convert_model(spec, gguf.resolve(), tmp, args.tokenizer_from)
     print(f"{name}: model converted -> {out}: {time.perf_counter() - t:.1f} s")
 
