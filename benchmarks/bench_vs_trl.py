@@ -9,7 +9,8 @@
 Each side runs in its own child process, one after the other, so that peak memory is per side:
 (a) ours: ``python grpo/grpo.py --config-name grpo_tiny hydra.run.dir=<tmp> key=value ...``
 (b) TRL:  ``python benchmarks/bench_vs_trl.py --worker trl --spec <tmp>/spec.json`` (``GRPOTrainer``
-    in that process, ``use_vllm=False``: both sides generate with transformers' ``generate``).
+    in that process, ``use_vllm=False``: both sides generate with transformers' ``generate``; with
+    ``--trl-vllm colocate`` TRL generates with vLLM in that process, on the same GPU).
 Needs the ``bench`` extra (``trl``) for (b); ours needs nothing beyond the project.
 
 What is measured, per side
@@ -139,6 +140,15 @@ def parse_args(argv=None):
     p.add_argument("--random-init-shape", choices=sorted(RANDOM_INIT_SHAPES), default=None,
                    help="train a random-init model of this shape (with --model's tokenizer, padded to its vocab)")
     p.add_argument("--only", choices=["ours", "trl"], default=None, help="run one side only")
+    p.add_argument("--recipe", choices=["tag", "flexible"], default="tag",
+                   help="tag: <answer> tags, format reward 0.1 (grpo_gsm8k_tags, the tiny model's); flexible: 'The "
+                        "answer is N.', the right number alone rewarded (grpo_gsm8k's default, the real models')")
+    p.add_argument("--trl-vllm", choices=["off", "colocate"], default="off",
+                   help="TRL generates with vLLM in its own process, on the training GPU (its colocate mode)")
+    p.add_argument("--trl-vllm-memory", type=float, default=0.3,
+                   help="colocate: vLLM's share of the GPU's memory (TRL's vllm_gpu_memory_utilization)")
+    p.add_argument("--trl-vllm-sleep", action="store_true",
+                   help="colocate: vLLM sleeps (frees its memory) while TRL trains (vllm_enable_sleep_mode)")
     p.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra Hydra override for our side (repeatable), e.g. train_model.compile=true")
     p.add_argument("--eval-every", type=int, default=10, help="GRPO steps between evals (0: start and end only)")
@@ -176,7 +186,8 @@ def build_spec(args, workdir: Path) -> dict:
         "dtype": dtype, "gradient_checkpointing": args.gradient_checkpointing,
         "random_init_shape": args.random_init_shape, "eval_every": args.eval_every,
         "eval_problems": args.eval_problems, "eval_batch_size": args.eval_batch_size, "threads": args.threads,
-        "ours_overrides": list(args.ours_override),
+        "ours_overrides": list(args.ours_override), "trl_vllm": args.trl_vllm, "recipe": args.recipe,
+        "trl_vllm_memory": args.trl_vllm_memory, "trl_vllm_sleep": args.trl_vllm_sleep,
         "workdir": str(workdir),
     }
 
@@ -192,6 +203,9 @@ def _import_project():
     set_list_to_stack(True).set()
 
 
+FORMAT_REWARD = {"tag": 0.1, "flexible": 0.0}  # reward.format of grpo_gsm8k_tags and grpo_gsm8k
+
+
 class GreedyEvaluator:
     """The project's in-run evaluator, usable on any HF causal LM: greedy replies to the first
     ``eval_problems`` test problems through ``GSM8KTaskEnv`` and our reward; accuracy = mean success."""
@@ -203,7 +217,8 @@ class GreedyEvaluator:
         self.num_problems = min(spec["eval_problems"], len(load_gsm8k(spec["data"], "test")))
         self.env = GSM8KTaskEnv(dataset=spec["data"], split="test", tokenizer=tokenizer, repeats=1,
                                 num_envs=min(spec["eval_batch_size"], self.num_problems), seed=spec["seed"],
-                                shuffle=False, answer_extraction="tag", format_reward=0.1)
+                                shuffle=False, answer_extraction=spec["recipe"],
+                                format_reward=FORMAT_REWARD[spec["recipe"]])
         self.fields = GSM8KTask.eval_fields
         self.tokenizer = tokenizer
         self.max_new_tokens = spec["max_new_tokens"]
@@ -283,15 +298,14 @@ def build_random_init_model(shape: str, tokenizer_dir: str, out_dir: Path, seed:
 def trl_worker(spec: dict) -> None:
     _import_project()
     import torch
-    from torchrl.envs.llm import GSM8KRewardParser
+    from torchrl.data.llm import History
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from trl.data_utils import apply_chat_template
 
     from grpo.process.setup import seed_everything
     from grpo.tasks.envs import GSM8KTaskEnv, load_gsm8k
-    from grpo.tasks.rewards import is_well_formatted, numbers_match, reference_answer
-    from tools.tiny_model import build_prompt
+    from grpo.tasks.rewards import GSM8KReward, reference_answer
 
     seed_everything(spec["seed"])
     out = Path(spec["workdir"]) / "trl"
@@ -303,27 +317,27 @@ def trl_worker(spec: dict) -> None:
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise SystemExit("tokenizer larger than the model's vocabulary: not supported by this benchmark")
 
-    # Data: the tag recipe's GSM8K chat prompt (TorchRL's R1 system prompt + question), the tokenizer's chat template.
-    system = GSM8KTaskEnv.SYSTEM_PROMPTS["tag"]
+    # Data: the recipe's GSM8K chat prompt (its system prompt + question), the tokenizer's chat template.
+    system = GSM8KTaskEnv.SYSTEM_PROMPTS[spec["recipe"]]
     train = load_gsm8k(spec["data"], "train")
     train = train.map(lambda row: {"prompt": [{"role": "system", "content": system},
                                               {"role": "user", "content": row["question"]}]})
     # The prompts TRL renders must be the ones our env renders (TorchRL History + the same template).
     same_prompts = all(
         apply_chat_template({"prompt": train[i]["prompt"]}, tokenizer)["prompt"]
-        == build_prompt(tokenizer, train[i]["question"]) for i in range(min(32, len(train))))
-
-    correct_w, format_w = 1.0, 0.1  # the tag recipe (grpo_gsm8k_tags): reward.correct / reward.format
+        == History(role=["system", "user"], content=[system, train[i]["question"]], batch_size=(2,))
+        .apply_chat_template(tokenizer=tokenizer, add_generation_prompt=True) for i in range(min(32, len(train))))
+    # our reward itself, so both sides are paid alike: reward.correct 1 and the recipe's reward.format
+    reward_fn = GSM8KReward(tokenizer, correct_reward=1.0, format_reward=FORMAT_REWARD[spec["recipe"]],
+                            answer_extraction=spec["recipe"])
 
     def gsm8k_reward(prompts, completions, answer, **_):
-        """Our reward: correct_w * [last number in <answer> right] + format_w * [think/answer format]."""
         rewards = []
         for completion, answer_field in zip(completions, answer):
             text = completion[-1]["content"] if isinstance(completion, list) else completion
-            text = text.removesuffix(tokenizer.eos_token)
-            _cot, predicted = GSM8KRewardParser.extract_tags(text)  # as our GSM8KReward
-            correct = bool(predicted) and numbers_match(predicted, reference_answer(answer_field))
-            rewards.append(correct_w * correct + format_w * is_well_formatted(text))
+            cot, text = reward_fn.extract_tags(text)
+            scored = reward_fn._single_correctness_reward(reference_answer(answer_field), text, cot)
+            rewards.append(float(scored["reward"]))
         return rewards
 
     # top_k: ours samples with the model's generation_config, where transformers' default top_k is 50.
@@ -339,7 +353,10 @@ def trl_worker(spec: dict) -> None:
         learning_rate=spec["lr"], max_grad_norm=1.0, weight_decay=0.0,
         beta=spec["kl_coef"], use_bias_correction_kl=False, epsilon=spec["clip_low"],
         epsilon_high=spec["clip_high"], loss_type="bnpo", scale_rewards="group", mask_truncated_completions=False,
-        use_vllm=False, bf16=spec["dtype"] == "bfloat16", fp16=False,
+        # colocate keeps TRL's own defaults beside it (its sequence-mask importance sampling): what its users run
+        use_vllm=spec["trl_vllm"] == "colocate", vllm_mode="colocate",
+        vllm_gpu_memory_utilization=spec["trl_vllm_memory"], vllm_enable_sleep_mode=spec["trl_vllm_sleep"],
+        bf16=spec["dtype"] == "bfloat16", fp16=False,
         gradient_checkpointing=spec["gradient_checkpointing"], use_cpu=spec["device"] == "cpu",
         logging_steps=k, report_to="none", save_strategy="no", disable_tqdm=True, log_level="warning",
         dataloader_num_workers=0, remove_unused_columns=False,
@@ -473,6 +490,8 @@ def ours_command(spec: dict) -> list[str]:
         f"train.clip_epsilon_high={s['clip_high']}", "train.checkpoint_frequency=0",
         f"optimizer.lr={s['lr']}", f"optimizer.warmup_steps={s['warmup_steps']}", "optimizer.schedule=constant",
         "optimizer.weight_decay=0.0", "optimizer.clip_grad_norm=1.0",
+        f"reward.answer_extraction={s['recipe']}", f"reward.format={FORMAT_REWARD[s['recipe']]}",
+        "env.system_prompt=null", "reward.correct=1.0",
         "inference_model.backend=transformers", f"inference_model.max_new_tokens={s['max_new_tokens']}",
         "inference_model.temperature=1.0", "inference_model.top_p=1.0",
         f"eval.frequency={s['eval_every']}", f"eval.num_problems={s['eval_problems']}",
