@@ -4,6 +4,7 @@ and a checkpoint written by either resumes on the other."""
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -50,14 +51,12 @@ def whole_weights(trainer: Trainer) -> dict:
 
 def lead_or_follow(world: World, trainer: Trainer, lead) -> None:
     """Rank 0 runs ``lead``, each of the trainer's collectives named to the other ranks as a run's rank 0
-    does; the others follow until it ends."""
+    does; the others follow until it ends. The process group stays for the rank's next job (``jobs``)."""
     if world.is_main:
         with world.leading():
             lead()
     else:
         trainer.follow()
-    if world.size > 1:
-        dist.destroy_process_group()
 
 
 def train_three_steps(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, out: str,
@@ -119,18 +118,10 @@ def engine_beside_sharded_policy(rank: int, size: int, port: int, model_dir: str
     lead_or_follow(world, trainer, lead)
 
 
-def test_the_engine_keeps_its_own_whole_copy_of_a_sharded_policy(setup, tmp_path):  # noqa: F811
+def test_the_engine_keeps_its_own_whole_copy_of_a_sharded_policy(world_runs):
     """One rank: the engine generates with the policy module itself. Two: the policy is sharded, so the engine
     loads its own plain copy, starting from the same weights, and a push after a step lands in it."""
-    cfg, _, _, rollouts, _ = setup
-    rollouts_file = tmp_path / "rollouts.pt"
-    torch.save(Replies.from_collector(rollouts), rollouts_file)
-    seen = {}
-    for size in (1, 2):
-        out = str(tmp_path / f"engine{size}.pt")
-        mp.spawn(engine_beside_sharded_policy, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
-                                                                  str(rollouts_file), out))
-        seen[size] = torch.load(out, weights_only=False)
+    seen = {size: world_runs.result(f"engine{size}.pt") for size in (1, 2)}
     assert seen[1]["shares"] and not seen[2]["shares"] and seen[2]["plain"]
     assert seen[2]["before"] == seen[1]["before"]  # the copy starts from the policy's weights
     assert seen[2]["after"] == seen[2]["sent"] != seen[2]["before"]  # the step moved them and the push landed
@@ -142,35 +133,59 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(size: int, tmp_path, rollouts_file, cfg, extra: tuple[str, ...] = (), ckpt_dir=None) -> dict:
-    out = str(tmp_path / f"ranks{size}.pt")
-    mp.spawn(train_three_steps, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset,
-                                                   str(rollouts_file), out, extra,
-                                                   None if ckpt_dir is None else str(ckpt_dir)))
-    result = torch.load(out, weights_only=False)
-    if ckpt_dir is not None:
-        result["went_on"] = torch.load(out + ".went_on", weights_only=False)
-    return result
+def jobs(rank: int, size: int, port: int, model_dir: str, data_dir: str, rollouts_file: str, plan: list) -> None:
+    """This rank's share of each of ``plan``'s jobs, in turn, in one process group: ``(function, its arguments after
+    the rollouts' file)``, each function above building its own trainer (seeded anew). One process a rank for them
+    all, not one a job: each new process spent ~8 s importing."""
+    for name, args in plan:
+        globals()[name](rank, size, port, model_dir, data_dir, rollouts_file, *args)
+    if size > 1:
+        dist.destroy_process_group()
+
+
+TWO_RANKS_WITH = [(), ("train_model.reshard_after_forward=false",), ("train_model.compile=true",)]
 
 
 @pytest.fixture(scope="module")
-def three_steps(setup, tmp_path_factory):  # noqa: F811 - the imported fixture
-    """The same rollouts trained 3 steps, checkpointed at step 3 and trained on to step 4, on 1 rank and on 2
-    (default FSDP2 settings): ``{ranks: (run_ranks' result, its checkpoint folder)}`` and the rollouts' file. One run
-    of each serves both tests below: 1 rank against 2, and each rank count's checkpoint resumed on the other."""
+def world_runs(setup, tmp_path_factory):  # noqa: F811 - the imported fixture
+    """Every job of the tests below, on the same rollouts, in 3 spawns (one rank, two, one) rather than one spawn a
+    job. One rank, then two: the engine beside the policy (``engine{1,2}.pt``); 3 steps checkpointed at step 3 and
+    trained on to step 4 (``ranks{1,2}.pt``, ``ckpt{1,2}``, default FSDP2 settings); on two, the one-rank checkpoint
+    resumed (``resumed_by2.pt``) and 3 steps with each of ``TWO_RANKS_WITH``'s settings (``ranks2_with{i}.pt``,
+    compiled last); then on one, the two-rank checkpoint resumed (``resumed_by1.pt``). ``result(name)`` loads one."""
     cfg, _, _, rollouts, _ = setup
-    tmp_path = tmp_path_factory.mktemp("three_steps")
+    tmp_path = tmp_path_factory.mktemp("world_runs")
     rollouts_file = tmp_path / "rollouts.pt"
     torch.save(Replies.from_collector(rollouts), rollouts_file)
-    runs = {}
-    for size in (1, 2):
-        ckpt_dir = tmp_path / f"ckpt{size}"
-        runs[size] = (run_ranks(size, tmp_path, rollouts_file, cfg, ckpt_dir=ckpt_dir), ckpt_dir)
-    return runs, rollouts_file
+
+    def spawn(size: int, plan: list) -> None:
+        mp.spawn(jobs, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset, str(rollouts_file),
+                                          plan))
+
+    def out(name: str) -> str:
+        return str(tmp_path / name)
+
+    def three_steps(size: int) -> tuple:
+        return "train_three_steps", (out(f"ranks{size}.pt"), (), out(f"ckpt{size}"))
+
+    spawn(1, [("engine_beside_sharded_policy", (out("engine1.pt"),)), three_steps(1)])
+    spawn(2, [("engine_beside_sharded_policy", (out("engine2.pt"),)), three_steps(2),
+              ("resume_and_go_on", (out("ckpt1"), out("resumed_by2.pt"))),
+              *[("train_three_steps", (out(f"ranks2_with{i}.pt"), extra)) for i, extra in enumerate(TWO_RANKS_WITH)
+                if extra]])
+    spawn(1, [("resume_and_go_on", (out("ckpt2"), out("resumed_by1.pt")))])
+
+    def result(name: str):
+        got = torch.load(out(name), weights_only=False)
+        if name.startswith("ranks") and Path(out(name) + ".went_on").exists():
+            got["went_on"] = torch.load(out(name) + ".went_on", weights_only=False)
+        return got
+
+    return SimpleNamespace(result=result, ckpt_dir=lambda size: tmp_path / f"ckpt{size}")
 
 
-@pytest.mark.parametrize("two_ranks_with", [(), ("train_model.reshard_after_forward=false",), ("train_model.compile=true",)])
-def test_two_ranks_train_as_one(setup, three_steps, tmp_path, two_ranks_with):  # noqa: F811 - the imported fixture
+@pytest.mark.parametrize("two_ranks_with", TWO_RANKS_WITH)
+def test_two_ranks_train_as_one(setup, world_runs, two_ranks_with):  # noqa: F811 - the imported fixture
     """Same seed, same rollouts: two ranks (each half of every micro-batch, the policy sharded, the
     reference scoring half the rows) give the step-1 loss and gradient norm of one rank to 1e-5, the
     same metrics, and the same weights after 3 steps (6 optimiser steps) to 1e-5; also with the gathered
@@ -178,9 +193,8 @@ def test_two_ranks_train_as_one(setup, three_steps, tmp_path, two_ranks_with):  
     LM head compiled (the GPU configs' default) on the two ranks against one eager rank (to 1e-4: compiled
     kernels sum in another order)."""
     cfg = setup[0]
-    (runs, rollouts_file) = three_steps
-    one = runs[1][0]
-    two = runs[2][0] if not two_ranks_with else run_ranks(2, tmp_path, rollouts_file, cfg, two_ranks_with)
+    one = world_runs.result("ranks1.pt")
+    two = world_runs.result(f"ranks2_with{TWO_RANKS_WITH.index(two_ranks_with)}.pt" if two_ranks_with else "ranks2.pt")
     first_one, first_two = one["metrics"][0], two["metrics"][0]
     compiled = "train_model.compile=true" in two_ranks_with
     rel = 1e-4 if compiled else 1e-5  # compiled kernels sum in another order
@@ -216,16 +230,11 @@ def load_initial_weights(cfg) -> dict:
 
 
 @pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_ranks(setup, three_steps, tmp_path, saved_by, resumed_by):  # noqa: F811
+def test_a_checkpoint_resumes_on_another_number_of_ranks(world_runs, saved_by, resumed_by):
     """A checkpoint holds whole tensors: written by 2 ranks and resumed by 1 (or the other way), step 4
-    gives the weights of the run that wrote it and went on, to 1e-5 (``three_steps``: that run)."""
-    cfg = setup[0]
-    runs, rollouts_file = three_steps
-    saved_run, ckpt_dir = runs[saved_by]
-    went_on, out = saved_run["went_on"], str(tmp_path / "resumed.pt")
-    mp.spawn(resume_and_go_on, nprocs=resumed_by, args=(resumed_by, free_port(), cfg.model.name, cfg.env.dataset,
-                                                        str(rollouts_file), str(ckpt_dir), out))
-    resumed = torch.load(out, weights_only=False)
+    gives the weights of the run that wrote it and went on, to 1e-5 (``world_runs``: that run, and the resume)."""
+    went_on, ckpt_dir = world_runs.result(f"ranks{saved_by}.pt")["went_on"], world_runs.ckpt_dir(saved_by)
+    resumed = world_runs.result(f"resumed_by{resumed_by}.pt")
     saved = load_checkpoint(list_checkpoints(ckpt_dir)[-1])
     assert saved["step"] == 3
     assert saved["model"].keys() == went_on.keys() and all(not isinstance(v, DTensor) for v in saved["model"].values())
