@@ -52,6 +52,7 @@ def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed:
     from grpo.inference.generation import EngineSettings, generate_kwargs
     from grpo.process.setup import resolve_local_paths
     from grpo.tasks.envs import make_env
+    from grpo.tasks.settings import TaskSettings
     from grpo.training.models import load_policy_model, load_tokenizer
     from tools.compose import compose_config
 
@@ -66,7 +67,7 @@ def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed:
     never = [tok.vocab_size + 1000]  # a stop id no token has
     policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(
         EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=max_new_tokens, stop_ids=never))
-    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=group, num_envs=replies)
+    env = make_env(TaskSettings.from_config(cfg), tok, split=cfg.env.train_split, repeats=group, num_envs=replies)
     return env, policy, sampler, tok, model
 
 

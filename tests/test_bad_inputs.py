@@ -26,6 +26,7 @@ from grpo.process.errors import ConfigError, DataError, ExportError, ModelLoadEr
 from grpo.tasks.envs import load_gsm8k, load_splits, make_env, task_of
 from grpo.tasks.ifeval import load_ifeval_rows
 from grpo.tasks.prompt_checks import check_prompt_lengths
+from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_policy_model, load_tokenizer
 
 # A run small enough to build in-process in seconds (the resume and length checks run while it is built)
@@ -192,7 +193,7 @@ def generic_task(*overrides):
                                     f"env.dataset={gsm8k_folder(ctx.tmp, GOOD)}",
                                     *[o.format(tmp=ctx.tmp) for o in overrides]])
         validate_config(cfg)
-        load_splits(cfg)
+        load_splits(TaskSettings.from_config(cfg))
         return cfg
     return load
 
@@ -202,7 +203,7 @@ def first_reply_scored(function):
     def score(ctx):
         cfg = generic_task(f"reward.functions=[{{tmp}}/rewards.py:{function}]")(ctx)
         tokenizer = load_tokenizer(cfg.model.name)
-        env = make_env(cfg, tokenizer, split="train", repeats=1, num_envs=2, shuffle=False)
+        env = make_env(TaskSettings.from_config(cfg), tokenizer, split="train", repeats=1, num_envs=2, shuffle=False)
         td = env.reset()
         reply = History(role=["assistant"] * 2, content=["2"] * 2, batch_size=(2,)).unsqueeze(-1)
         td["history", "full"] = td["history", "prompt"].extend(reply, inplace=False, dim=-1)
@@ -411,7 +412,8 @@ def test_the_length_check_counts_prompts_as_the_policy_sees_them(config_name, mo
     overrides = [f"model.name={request.getfixturevalue(model)}", f"env.dataset={tmp_path}"]
     cfg = compose(config_name, overrides)
     tokenizer = load_tokenizer(cfg.model.name)
-    env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=1, num_envs=1)
+    settings = TaskSettings.from_config(cfg)
+    env = make_env(settings, tokenizer, split=settings.train_split, repeats=1, num_envs=1)
     sampler = ReplySampler(load_policy_model(cfg, tokenizer, torch.device("cpu")), compile=False, cache_bucket=64,
                            compact_rows=True)
     policy = make_transformers_policy(sampler, tokenizer, gen_kwargs={
@@ -420,10 +422,11 @@ def test_the_length_check_counts_prompts_as_the_policy_sees_them(config_name, mo
     prompt_tokens = len(policy(env.reset()).get(("tokens", "prompt"), as_list=True)[0])
 
     def with_context(max_model_len):
-        return compose(config_name, [*overrides, f"inference_model.max_model_len={max_model_len}"])
+        return TaskSettings.from_config(compose(config_name,
+                                                [*overrides, f"inference_model.max_model_len={max_model_len}"]))
 
     reply = max(cfg.inference_model.max_new_tokens, cfg.eval.max_new_tokens)
-    splits = {split: task_of(cfg).load_rows(cfg, split) for split in ("train", "test")}
+    splits = {split: task_of(settings).load_rows(settings, split) for split in ("train", "test")}
     check_prompt_lengths(with_context(prompt_tokens + reply), tokenizer, splits)  # exactly full: fits
     with pytest.raises(DataError, match=f"row 0: its prompt is {prompt_tokens} tokens"):
         check_prompt_lengths(with_context(prompt_tokens + reply - 1), tokenizer, splits)

@@ -15,6 +15,7 @@ from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.data import serve_from
 from grpo.tasks.envs import OneTurnCollector, inverts_nothing, make_collector, make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 from grpo.training.replies import TENSORS, Replies
 
@@ -45,7 +46,7 @@ def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_di
     cfg, tok, model, options = tiny_sampling(tiny_model_dir, tiny_data_dir)
     collected = {}
     for build in (torchrl_collector, make_collector):
-        env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+        env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
         sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
         collector = build(env, make_transformers_policy(sampler, tok, gen_kwargs=options), 16)
         serve_from(env, collector, 3)
@@ -70,7 +71,7 @@ def test_prompt_tokens_are_each_group_s_chat_template_tokenized_once(tiny_model_
     cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
-    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
     renders, render = [], tok.apply_chat_template
     tok.apply_chat_template = lambda conversation, **kw: renders.append(conversation) or render(conversation, **kw)
     try:
@@ -109,7 +110,7 @@ def test_a_step_passes_its_input_on_as_it_is_while_no_transform_inverts(tiny_mod
     cfg, tok, model, options = tiny_sampling(tiny_model_dir, tiny_data_dir)
     collected = {}
     for torchrl_inverse in (True, False):
-        env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+        env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
         assert all(inverts_nothing(t) for t in env.transform)
         if torchrl_inverse:
             del env.transform.inv  # TorchRL's own, which copies
@@ -125,7 +126,7 @@ def test_a_step_passes_its_input_on_as_it_is_while_no_transform_inverts(tiny_mod
     assert ours.user_prompts == theirs.user_prompts
     for name in TENSORS:
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
-    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
     env.append_transform(RenameTransform(in_keys=[], out_keys=[], in_keys_inv=["action"], out_keys_inv=["move"]))
     assert not inverts_nothing(env.transform[-1])
     step_input = TensorDict({"move": torch.ones(2)}, batch_size=[2])

@@ -14,6 +14,7 @@ from grpo.inference.episode_policy import cut_at_stop
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.envs import make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import EnvTurn
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 from torchrl_wrapper import torchrl_history_policy
@@ -33,7 +34,7 @@ def tiny(tiny_model_dir, tiny_data_dir):
 
 def test_the_policy_writes_what_torchrl_s_wrapper_wrote_and_the_env_scores_it_the_same(tiny):
     cfg, tok, sampler, options = tiny
-    env = make_env(cfg, tok, split="train", repeats=4, num_envs=16, shuffle=False)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=16, shuffle=False)
     reset = env.reset()
     outs, steps = [], []
     for policy in (make_transformers_policy(sampler, tok, gen_kwargs=options),
@@ -72,7 +73,7 @@ def test_prompts_without_tokens_are_rendered_by_the_chat_template(tiny):
 
 def test_a_batch_of_other_than_one_dimension_is_refused(tiny):
     cfg, tok, sampler, options = tiny
-    env = make_env(cfg, tok, split="train", repeats=2, num_envs=4, shuffle=False)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=2, num_envs=4, shuffle=False)
     with pytest.raises(ValueError, match="one batch dimension"):
         make_transformers_policy(sampler, tok, gen_kwargs=options)(env.reset().reshape(2, 2))
 
@@ -112,7 +113,7 @@ def test_a_multi_turn_episode_trains_on_exactly_the_sampled_tokens_and_masks_the
     the engine returned with their log-probs, and the mask covers those alone; text from the environment that
     spells a special token stays text."""
     cfg, tok, sampler, options = tiny
-    env = make_env(cfg, tok, split="train", repeats=2, num_envs=4, shuffle=False)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=2, num_envs=4, shuffle=False)
     policy = make_transformers_policy(sampler, tok, gen_kwargs=options | {"max_new_tokens": 40})
     policy.turn_env = ScriptedEnv("go on <|im_end|>", max_turns=3, max_episode_tokens=200)
     calls = recording(policy)
@@ -157,7 +158,7 @@ def test_a_multi_turn_episode_trains_on_exactly_the_sampled_tokens_and_masks_the
 
 def test_an_episode_ends_within_its_token_budget(tiny):
     cfg, tok, sampler, options = tiny
-    env = make_env(cfg, tok, split="train", repeats=2, num_envs=4, shuffle=False)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=2, num_envs=4, shuffle=False)
     policy = make_transformers_policy(sampler, tok, gen_kwargs=options | {"max_new_tokens": 40})
     policy.turn_env = ScriptedEnv("more", max_turns=10, max_episode_tokens=30)
     out = policy(env.reset())

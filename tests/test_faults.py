@@ -44,6 +44,7 @@ from grpo.process.setup import RunDirClaim, StopFlag, raise_if_interrupted_twice
 from grpo.tasks import prompt_checks
 from grpo.tasks.envs import load_splits, task_system_prompt
 from grpo.tasks.prompt_checks import PromptLengthBound, check_prompt_lengths, check_prompt_text, prompt_token_counts
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training import checkpoint
 from grpo.training.advantages import group_advantages
@@ -303,12 +304,12 @@ def test_a_held_out_row_that_would_forge_chat_turns_is_refused_too(tmp_path, tin
     if task == "generic":
         overrides += ["env.task=generic", "env.prompt_key=text",
                       f"reward.functions=[{REPO}/examples/my_task/reward.py:tagged]"]
-    cfg = compose("grpo_tiny", overrides)
+    settings = TaskSettings.from_config(compose("grpo_tiny", overrides))
     tokenizer = load_tokenizer(str(TINY_MODEL))
-    check_prompt_text(cfg, tokenizer, {"train": load_splits(cfg)["train"]})  # the system prompt is the user's
+    check_prompt_text(settings, tokenizer, {"train": load_splits(settings)["train"]})  # the system prompt is the user's
     column = "text" if task == "generic" else "question"
     with pytest.raises(DataError, match=rf"split 'test' row 5: its '{column}' text holds '<\|im_end\|>'"):
-        check_prompt_text(cfg, tokenizer, load_splits(cfg))
+        check_prompt_text(settings, tokenizer, load_splits(settings))
 
 
 def test_resume_that_changes_the_runs_meaning_is_refused_unless_allowed(script, tmp_path):  # noqa: F811
@@ -623,11 +624,12 @@ def test_the_prompt_length_check_refuses_a_long_row_of_a_large_file_tokenising_o
     counted = []
     monkeypatch.setattr(prompt_checks, "prompt_token_counts", lambda tok, system, prompts, tools: counted.extend(prompts) or
                         prompt_token_counts(tok, system, prompts, tools))
-    exact = prompt_token_counts(tokenizer, task_system_prompt(cfg), [json.loads(rows[13_579])["question"]])[0]
+    settings = TaskSettings.from_config(cfg)
+    exact = prompt_token_counts(tokenizer, task_system_prompt(settings), [json.loads(rows[13_579])["question"]])[0]
     with pytest.raises(DataError, match=rf"split 'train' row 13579: its prompt is {exact} tokens .* exceeds "
                                         rf"inference_model.max_model_len=512; raise inference_model.max_model_len to "
                                         rf"at least {exact + 24}"):
-        check_prompt_lengths(cfg, tokenizer, load_splits(cfg))
+        check_prompt_lengths(settings, tokenizer, load_splits(settings))
     assert counted == [json.loads(rows[13_579])["question"]]  # the one row whose bound did not fit
 
 

@@ -10,6 +10,7 @@ from grpo.inference.engine import TransformersInference, make_transformers_polic
 from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.envs import make_collector, make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.training.batch import to_training_batch
 from grpo.training.logprobs import token_log_probs
 from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
@@ -29,7 +30,7 @@ def tiny(tiny_model_dir, tiny_data_dir):
 
 def collect(cfg, tok, model, gen_kwargs: dict, seed: int = 0):
     torch.manual_seed(seed)
-    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8, shuffle=False)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8, shuffle=False)
     sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
     policy = make_transformers_policy(sampler, tok, gen_kwargs=gen_kwargs)
     return next(iter(make_collector(env, policy, 8))).reshape(-1), policy
@@ -120,7 +121,7 @@ def test_top_k_is_off_by_default_and_reaches_generate(tiny):
 
 
 def greedy_replies(inference, cfg, tok) -> list[list[int]]:
-    env = make_env(cfg, tok, split="test", repeats=1, num_envs=8, shuffle=False)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="test", repeats=1, num_envs=8, shuffle=False)
     td = inference.greedy_policy(env.reset())
     return [s["tokens", "response"].tolist() for s in td.unbind(0)]
 
@@ -187,7 +188,7 @@ def test_inference_model_compact_rows_reaches_the_decode_loop_and_replies_come_b
     handed = []
     engine.on_sampled = lambda prompts, replies: handed.append((prompts, replies))
     torch.manual_seed(0)
-    env = make_env(cfg, tok, split="train", repeats=8, num_envs=64)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=8, num_envs=64)
     replies = Replies.from_collector(next(iter(make_collector(env, engine.policy, 64))))
     (prompts, sampled), = handed
     assert all(torch.equal(a, b) for a, b in zip(prompts, replies.prompts(), strict=True))

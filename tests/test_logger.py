@@ -13,6 +13,7 @@ from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.loop.logger import RunLogger, profile_to, read_metrics, reply_samples
 from grpo.tasks.envs import load_gsm8k, make_collector, make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
 
@@ -46,7 +47,7 @@ def rollouts(tiny_model_dir, tiny_data_dir):
     policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(
         EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=24, stop_ids=stop_ids))
     torch.manual_seed(0)
-    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
     return next(iter(make_collector(env, policy, 8))).reshape(-1), tok, stop_ids, load_gsm8k(str(tiny_data_dir), "train")
 
 

@@ -19,6 +19,7 @@ from grpo.loop.logger import RunLogger, plot_metrics, read_metrics
 from grpo.loop.resume import truncate_metrics
 from grpo.loop.records import RunRecords
 from grpo.process.errors import CheckpointError, ConfigError, ResumeError, RunDirError, UserCodeError, clear_errors
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env
 from grpo.tasks.user_rewards import load_reward_function
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint
@@ -104,7 +105,7 @@ def test_what_leaves_a_users_turn_env_names_the_class_and_method(tmp_path):
                                      "        self.max_turns = max_turns\n\n    def answers(self, episode):\n"
                                      "        return True\n\n    def respond(self, episodes):\n        sys.exit(0)\n")
     cfg = compose("grpo_tiny", [f"env.turn_env={tmp_path / 'env.py'}:Env", "env.max_turns=2"])
-    env = make_turn_env(cfg, tokenizer=None)
+    env = make_turn_env(TaskSettings.from_config(cfg), tokenizer=None)
     assert env.max_turns == 2 and env.answers(None)
     with pytest.raises(UserCodeError, match=r"^env.turn_env='.*env.py:Env': its respond\(\) called sys.exit\(0\)"):
         env.respond([])

@@ -12,6 +12,7 @@ from conftest import SHORT_RUN, TINY_DATA, TINY_MODEL, compose
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.data import PromptStream, data_primer
 from grpo.tasks.envs import make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_tokenizer
 from test_ranks import STEPS, all_gone, assert_same_weights, command, kill_after_step_2_checkpoint, run, trained, \
     trained_here
@@ -56,7 +57,7 @@ def test_two_generating_ranks_train_on_one_rank_s_prompts_and_learn_as_one(runs)
 def rows_drawn(cfg, tokenizer, batch: int, rank: int, ranks: int) -> tuple[list[int], PromptStream]:
     """The data rows of the replies rank ``rank`` of ``ranks`` generates for prompt batch ``batch``, as its env
     (``rank_rollouts``') draws them, and the prompt stream it draws from."""
-    env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
+    env = make_env(TaskSettings.from_config(cfg), tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
                    num_envs=cfg.env.num_envs // ranks)
     primer = data_primer(env)
     primer.dataloader.share_of(rank, ranks, cfg.env.num_envs // cfg.env.repeats)

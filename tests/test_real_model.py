@@ -15,6 +15,7 @@ from conftest import TINY_DATA, compose
 from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings
 from grpo.tasks.envs import make_collector, make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
@@ -45,7 +46,8 @@ def real_step(request, one_real_model_at_a_time):
     ref = load_reference_model(cfg, tok, cpu)
     stop_ids = stop_token_ids(tok, policy.generation_config)
     inference = TransformersInference(EngineSettings.from_config(cfg), policy, tok, cpu, stop_ids)
-    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
+    env = make_env(TaskSettings.from_config(cfg), tok, split=cfg.env.train_split, repeats=cfg.env.repeats,
+                   num_envs=cfg.env.num_envs)
     rollouts = Replies.from_collector(next(iter(make_collector(env, inference.policy,
                                                                cfg.train.dialog_turns_per_batch))))
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}

@@ -10,6 +10,7 @@ from conftest import TINY_DATA, compose
 from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings
 from grpo.tasks.envs import make_collector, make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.training.logprobs import ReplyLogProbs, score_replies
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
@@ -34,10 +35,11 @@ def real_tool_step(real_qwen_dir, one_real_model_at_a_time):
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.name)
     policy, ref = load_policy_model(cfg, tok, cpu), load_reference_model(cfg, tok, cpu)
+    task = TaskSettings.from_config(cfg)
     inference = TransformersInference(EngineSettings.from_config(cfg), policy, tok, cpu,
-                                      turn_stop_ids(cfg, tok, stop_token_ids(tok, policy.generation_config)))
-    inference.turn_env = make_turn_env(cfg, tok)
-    env = make_env(cfg, tok, split=cfg.env.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
+                                      turn_stop_ids(task, tok, stop_token_ids(tok, policy.generation_config)))
+    inference.turn_env = make_turn_env(task, tok)
+    env = make_env(task, tok, split=task.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
     rollouts = Replies.from_collector(next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))))
     optimizer = make_optimizer(cfg, policy)
     step = GRPOStep(GRPOSettings.from_config(cfg), policy=ReplyLogProbs(policy), optimizer=optimizer,

@@ -4,6 +4,7 @@ import pytest
 
 from grpo.tasks.rewards import (_NUMBER, _numbers_text, is_well_formatted, last_number, numbers_match, parse_number,
                                 reference_answer)
+from grpo.tasks.settings import TaskSettings
 
 
 @pytest.mark.parametrize("text, value", [
@@ -204,7 +205,7 @@ def test_env_reward_follows_answer_extraction(mode, rewards, answered):
     cfg = compose("grpo_tiny", [f"reward.answer_extraction={mode}"])
     grpo.process.setup.resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
-    env = make_env(cfg, tok, split="test", repeats=2, num_envs=4, shuffle=False)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="test", repeats=2, num_envs=4, shuffle=False)
     td = env.reset()
     # test.jsonl rows 0 and 1, each twice: 19 + 6 = 25, 4 * 2 = 8
     assert [a.rsplit("#### ", 1)[1] for a in td["answer"]] == ["25", "25", "8", "8"]

@@ -34,7 +34,7 @@ def async_run(tmp_path, tiny_model_dir, tiny_data_dir):
 
 def test_policy_version_counts_optimiser_steps_and_eval_sees_them(async_run):
     run = async_run
-    env = make_env(run.cfg, run.tokenizer, split="train", repeats=4, num_envs=8)
+    env = make_env(run.task, run.tokenizer, split="train", repeats=4, num_envs=8)
     metrics = run.train_on(Replies.from_collector(next(iter(make_collector(env, run.engine.policy, 8)))))
     # 8 replies in minibatches of 4, one epoch: two optimiser steps, whatever the script
     assert metrics["optim_steps"] == 2 and run.trainer.policy_version == metrics["policy_version"] == 2

@@ -18,6 +18,7 @@ from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.envs import make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.training.advantages import group_advantages, overlong_penalty
 from grpo.training.batch import micro_batches, to_training_batch, trim_padding
 from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
@@ -36,7 +37,7 @@ def setup(tiny_model_dir, tiny_data_dir):
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     model = load_policy_model(cfg, tok, torch.device("cpu"))
-    env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+    env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
     stop_ids = stop_token_ids(tok, model.generation_config)
     settings = EngineSettings.from_config(cfg)
     policy = make_transformers_policy(ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True), tok,

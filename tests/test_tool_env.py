@@ -7,6 +7,7 @@ from conftest import compose
 from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import holds_call, parse_call
 from grpo.tasks.sandbox import Sandbox, SandboxSettings
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import Episode, PythonToolEnv, check_turn_config
 
 
@@ -80,4 +81,4 @@ def test_the_tool_answers_a_batch_at_once_and_every_bad_call_gets_a_message_not_
 ])
 def test_turn_settings_that_cannot_work_are_refused_in_one_line(overrides, error):
     with pytest.raises(ConfigError, match=__import__("re").escape(error)):
-        check_turn_config(compose("grpo_tiny", overrides))
+        check_turn_config(TaskSettings.from_config(compose("grpo_tiny", overrides)))

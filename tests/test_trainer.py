@@ -10,6 +10,7 @@ from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
 from grpo.process.setup import resolve_local_paths
 from grpo.tasks.envs import make_collector, make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
 from grpo.training.trainer import Trainer, make_optimizer, make_scheduler
@@ -91,7 +92,7 @@ def test_the_trainer_scores_the_tempered_policy_the_engine_sampled_from(tiny_mod
     stop_ids = stop_token_ids(tok, model.generation_config)
     engine = make_inference(EngineSettings.from_config(cfg), model, tok, torch.device("cpu"), stop_ids)
     try:
-        env = make_env(cfg, tok, split="train", repeats=4, num_envs=8)
+        env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
         collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch)
         rollouts = Replies.from_collector(next(iter(collector)))
         trainer = Trainer(cfg, model, ref, pad_token_id=tok.pad_token_id)

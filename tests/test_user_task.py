@@ -19,6 +19,7 @@ from grpo.loop.config import validate_config
 from grpo.process.errors import DataError
 from grpo.tasks.envs import load_splits, make_env
 from grpo.tasks.prompt_checks import check_prompt_lengths
+from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_policy_model, load_tokenizer
 
 EXAMPLE = REPO / "examples" / "my_task"
@@ -59,8 +60,9 @@ def test_generic_reward_is_the_weighted_sum_of_the_functions(tmp_path, tiny_tok)
                                 f"reward.functions=[{tmp_path}/fns.py:exact,{tmp_path}/fns.py:longer,"
                                 f"{tmp_path}/fns.py:in_prompt]"])
     validate_config(cfg)
-    load_splits(cfg)  # the start checks pass: every parameter is an argument the rows offer
-    env = make_env(cfg, tiny_tok, split="train", repeats=2, num_envs=4, shuffle=False)
+    settings = TaskSettings.from_config(cfg)
+    load_splits(settings)  # the start checks pass: every parameter is an argument the rows offer
+    env = make_env(settings, tiny_tok, split="train", repeats=2, num_envs=4, shuffle=False)
     # rows 0, 0, 1, 1; each reply's trailing special tokens are not part of it
     nxt = scored(env, ["5<|im_end|>", "2 + 3", "24<|im_end|><|endoftext|>", "It is 42."])
     expected = [1.0 + 0.5 * 1 * 1 / 10 + 2.0 * 0,
@@ -81,10 +83,11 @@ def test_gsm8k_adds_the_functions_to_its_own_reward(tmp_path, tiny_tok):
                                        "    return 0.5 if answer.endswith(' 25') and 'stickers' in question else 0.0\n")
     base = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}"]
     replies = ["<think>19 + 6 = 25</think><answer>25</answer>", "25", "<answer>8</answer>", "7"]
-    own = scored(make_env(compose("grpo_tiny", base), tiny_tok, split="test", repeats=2, num_envs=4, shuffle=False),
-                 replies)
+    own = scored(make_env(TaskSettings.from_config(compose("grpo_tiny", base)), tiny_tok, split="test", repeats=2,
+                          num_envs=4, shuffle=False), replies)
     cfg = compose("grpo_tiny", [*base, f"reward.functions=[{tmp_path}/bonus.py:bonus]", "reward.weights=[2.0]"])
-    with_bonus = scored(make_env(cfg, tiny_tok, split="test", repeats=2, num_envs=4, shuffle=False), replies)
+    with_bonus = scored(make_env(TaskSettings.from_config(cfg), tiny_tok, split="test", repeats=2, num_envs=4,
+                                 shuffle=False), replies)
     # test.jsonl rows 0 (19 stickers + 6, answer 25) and 1 (4 * 2, answer 8), each twice
     assert (with_bonus["reward"] - own["reward"]).view(-1).tolist() == pytest.approx([1.0, 1.0, 0.0, 0.0])
     assert with_bonus["success"].equal(own["success"])  # accuracy stays GSM8K's
@@ -96,10 +99,11 @@ def test_ifeval_adds_the_functions_to_its_own_reward(tmp_path, tiny_tok):
                                        "    return 0.25 * len(instruction_id_list) + ('lemons' in prompt)\n")
     base = [f"model.name={TINY_MODEL}"]
     replies = ["LEMONS ARE SOUR.", "Forests are green."]
-    own = scored(make_env(compose("grpo_ifeval_tiny", base), tiny_tok, split="test", repeats=1, num_envs=2,
-                          shuffle=False), replies)
+    own = scored(make_env(TaskSettings.from_config(compose("grpo_ifeval_tiny", base)), tiny_tok, split="test",
+                          repeats=1, num_envs=2, shuffle=False), replies)
     cfg = compose("grpo_ifeval_tiny", [*base, f"reward.functions=[{tmp_path}/bonus.py:bonus]"])
-    with_bonus = scored(make_env(cfg, tiny_tok, split="test", repeats=1, num_envs=2, shuffle=False), replies)
+    with_bonus = scored(make_env(TaskSettings.from_config(cfg), tiny_tok, split="test", repeats=1, num_envs=2,
+                                 shuffle=False), replies)
     # test.jsonl rows 0 (lemons, all lowercase) and 1 (forests without commas), one instruction each
     assert (with_bonus["reward"] - own["reward"]).view(-1).tolist() == pytest.approx([1.25, 0.25])
     assert with_bonus["success"].equal(own["success"]) and own["success"].view(-1).tolist() == [False, True]
@@ -111,19 +115,21 @@ def test_the_length_check_counts_generic_prompts_as_the_policy_sees_them(system_
     overrides = [f"model.name={TINY_MODEL}", "env.task=generic", f"env.dataset={tmp_path}", "env.test_split=train",
                  f"reward.functions=[{EXAMPLE}/reward.py:tagged]", f"env.system_prompt={json.dumps(system_prompt)}"]
     cfg = compose("grpo_tiny", overrides)
-    env = make_env(cfg, tiny_tok, split="train", repeats=1, num_envs=1)
+    settings = TaskSettings.from_config(cfg)
+    env = make_env(settings, tiny_tok, split="train", repeats=1, num_envs=1)
     sampler = ReplySampler(load_policy_model(cfg, tiny_tok, torch.device("cpu")), compile=False, cache_bucket=64,
                            compact_rows=True)
     policy = make_transformers_policy(sampler, tiny_tok, gen_kwargs={
         "max_new_tokens": 1, "do_sample": False, "eos_token_id": [tiny_tok.eos_token_id],
         "pad_token_id": tiny_tok.pad_token_id})
     prompt_tokens = len(policy(env.reset()).get(("tokens", "prompt"), as_list=True)[0])
-    splits = load_splits(cfg)
+    splits = load_splits(settings)
     fits = prompt_tokens + cfg.inference_model.max_new_tokens  # the reply's room: exactly full fits
-    check_prompt_lengths(compose("grpo_tiny", [*overrides, f"inference_model.max_model_len={fits}"]), tiny_tok, splits)
+    check_prompt_lengths(TaskSettings.from_config(
+        compose("grpo_tiny", [*overrides, f"inference_model.max_model_len={fits}"])), tiny_tok, splits)
     with pytest.raises(DataError, match=f"row 0: its prompt is {prompt_tokens} tokens"):
-        check_prompt_lengths(compose("grpo_tiny", [*overrides, f"inference_model.max_model_len={fits - 1}"]),
-                             tiny_tok, splits)
+        check_prompt_lengths(TaskSettings.from_config(
+            compose("grpo_tiny", [*overrides, f"inference_model.max_model_len={fits - 1}"])), tiny_tok, splits)
 
 
 def readme_command() -> list[str]:

@@ -14,6 +14,7 @@ from grpo.process.errors import ConfigError
 from grpo.process.setup import RETIRED_KEYS
 from grpo.tasks.envs import TASKS
 from grpo.tasks.rewards import ANSWER_EXTRACTIONS
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import check_turn_config
 from grpo.tasks.user_rewards import parse_spec
 
@@ -80,7 +81,7 @@ def validate_config(cfg) -> None:
         need(value is None or type(value) is int and value >= 1, f"{key}={value!r} must be a whole number >= 1 {rest}")
 
     need(cfg.env.task in TASKS, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASKS)}.")
-    check_turn_config(cfg)
+    check_turn_config(TaskSettings.from_config(cfg))
     # counts first: the divisibility checks below would divide by them
     for key in ("env.num_envs", "train.dialog_turns_per_batch", "train.optim_batch_size",
                 "train.gradient_accumulation_steps", "eval.batch_size", "eval.num_problems",

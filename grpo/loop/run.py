@@ -44,6 +44,7 @@ from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
 from grpo.tasks.envs import load_splits, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
@@ -56,6 +57,7 @@ class Run:
     cfg: object
     devices: DeviceAllocation
     tokenizer: object
+    task: TaskSettings          # what the task envs, data checks and turn environments read
     stop_ids: list[int]
     trainer: Trainer            # policy, optimiser, GRPO step, policy version
     engine: object              # this process's inference engine (sync: the rollouts' too)
@@ -115,7 +117,8 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu
     devices = check_start(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference,
                           ray_gpu=ray_gpu)
     devices = devices.on_gpu(ray_gpu()) if devices.placed_by_ray else devices
-    splits = load_splits(cfg)  # bad data, and reward functions that cannot take its rows, stop here
+    task = TaskSettings.from_config(cfg)  # after check_start: resolve_local_paths rewrites env.dataset
+    splits = load_splits(task)  # bad data, and reward functions that cannot take its rows, stop here
     warn_if_too_few_rows(cfg, len(splits[cfg.env.train_split]))
     print(devices.describe(), flush=True)
     seed_everything(cfg.seed)
@@ -134,8 +137,8 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu
             run_dir = ckpt_path.parent.parent
     claim = RunDirClaim(run_dir)  # before this run writes anything into it
     try:
-        run = _build(cfg, splits, task_config, run_dir, payload, last_checkpoint, eval_only, devices, stop_flag, claim,
-                     dedicated_inference=dedicated_inference)
+        run = _build(cfg, task, splits, task_config, run_dir, payload, last_checkpoint, eval_only, devices, stop_flag,
+                     claim, dedicated_inference=dedicated_inference)
     except BaseException:
         claim.release()
         raise
@@ -143,8 +146,8 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu
     return run
 
 
-def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, eval_only, devices, stop_flag, claim, *,
-           dedicated_inference: bool) -> Run:
+def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload, last_checkpoint, eval_only, devices,
+           stop_flag, claim, *, dedicated_inference: bool) -> Run:
     """The rest of the start, in the run dir this run holds: checks, models, optimiser, logger, restore."""
     if payload and not eval_only:  # its .hydra/ stays that of the command that started it (resume=auto's match)
         for rows in ("metrics.jsonl", "samples.jsonl", "eval_scores.jsonl"):
@@ -162,16 +165,16 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     config_record = resolved_config(cfg) | {"device_allocation": devices.as_dict()}
 
     tokenizer = load_tokenizer(cfg.model.name)
-    check_prompt_lengths(cfg, tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
-    check_prompt_text(cfg, tokenizer, splits)
+    check_prompt_lengths(task, tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
+    check_prompt_text(task, tokenizer, splits)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
     say(f"loading {cfg.model.name}: the policy{', its frozen reference' if cfg.train.use_kl_to_ref else ''} and "
         f"the {cfg.inference_model.backend} engine")
     trainer = make_trainer(cfg, tokenizer, devices, World.from_env())
-    stop_ids = turn_stop_ids(cfg, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config))
+    stop_ids = turn_stop_ids(task, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config))
     engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
-    engine.turn_env = make_turn_env(cfg, tokenizer)  # what answers between turns (None: one turn an episode)
+    engine.turn_env = make_turn_env(task, tokenizer)  # what answers between turns (None: one turn an episode)
     trainer.take_samples_from(engine)  # ref_model.score_early: the reference scores replies as they are sampled
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     if not eval_only:  # a disk that cannot hold the run's checkpoints would lose every step since the last one
@@ -182,7 +185,8 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     logger.log({"step": payload["step"] if payload else 0, "event": event,
                 **{f"devices/{k}": str(v) for k, v in devices.as_dict().items()}})
     counters = payload["counters"] if payload else {"step": 0, "last_eval_step": None}
-    evaluator = Evaluator(cfg, tokenizer, engine, num_problems=num_eval_problems, fields=task_of(cfg).eval_fields,
+    evaluator = Evaluator(cfg, task, tokenizer, engine, num_problems=num_eval_problems,
+                          fields=task_of(task).eval_fields,
                           last_eval_step=None if eval_only else counters["last_eval_step"])
     if payload:  # eval only: the checkpoint is evaluated here
         trainer.restore(payload, last_checkpoint[1])  # RNG states last of all
@@ -192,8 +196,8 @@ def _build(cfg, splits, task_config, run_dir: Path, payload, last_checkpoint, ev
     # made last: a start that fails leaves no room file behind
     room = None if eval_only else HeldRoom(run_dir, checkpoint_bytes(trainer.trainable_bytes()))
     records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)
-    return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, stop_ids=stop_ids, trainer=trainer, engine=engine,
-               evaluator=evaluator, records=records,
+    return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, task=task, stop_ids=stop_ids, trainer=trainer,
+               engine=engine, evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
 
 
@@ -233,7 +237,8 @@ def follow_run(own_gpu: int | None = None) -> int:
     if devices.generating_ranks == 1:
         return trainer.follow()
     # sync with an engine per rank: this rank generates its share of every step too
-    generation = RankGeneration(cfg, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config),
+    generation = RankGeneration(cfg, TaskSettings.from_config(cfg), tokenizer,
+                                stop_token_ids(tokenizer, trainer.policy_model.generation_config),
                                 devices.for_rank(world.rank, world.size).torch_device("inference"), world)
     try:
         return trainer.follow(generation)

@@ -30,6 +30,7 @@ from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import env_batches_per_draw
 from grpo.tasks.data import PromptLedger, data_primer, serve_from
 from grpo.tasks.envs import make_collector, make_env
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.tasks.user_rewards import take_reward_seconds
 from grpo.training.replies import Replies
@@ -123,11 +124,12 @@ def sendable(err: Exception | None):
     return None if err is None else f"{type(err).__name__}: {err}"
 
 
-def rank_rollouts(cfg, tokenizer, engine, ledger: PromptLedger, world: World = World()) -> CollectorRollouts:
+def rank_rollouts(cfg, task: TaskSettings, tokenizer, engine, ledger: PromptLedger,
+                  world: World = World()) -> CollectorRollouts:
     """This rank's sync source over ``engine``: an env of ``1/world.size`` of ``env.num_envs``, drawing this rank's
     share of every prompt batch (prompts ``r*P/N .. (r+1)*P/N`` of batch ``b`` of ``P``; ``allocate_devices`` checked
     that they split), and a collector of its share of each step's replies."""
-    env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
+    env = make_env(task, tokenizer, split=task.train_split, repeats=cfg.env.repeats,
                    num_envs=cfg.env.num_envs // world.size)
     data_primer(env).dataloader.share_of(world.rank, world.size, cfg.env.num_envs // cfg.env.repeats)
     collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch // world.size)
@@ -140,9 +142,9 @@ class RankGeneration:
     source, built when rank 0 builds its own (``rollouts``, with the prompt batch rank 0's ledger starts at); then
     each collection rank 0 leads (``generate``)."""
 
-    def __init__(self, cfg, tokenizer, model_stop_ids: list[int], device, world: World):
-        self.cfg, self.tokenizer, self.device, self.world = cfg, tokenizer, device, world
-        self.stop_ids = turn_stop_ids(cfg, tokenizer, model_stop_ids)  # rank 0's engine's: a tool call's tag too
+    def __init__(self, cfg, task: TaskSettings, tokenizer, model_stop_ids: list[int], device, world: World):
+        self.cfg, self.task, self.tokenizer, self.device, self.world = cfg, task, tokenizer, device, world
+        self.stop_ids = turn_stop_ids(task, tokenizer, model_stop_ids)  # rank 0's engine's: a tool call's tag too
         self.engine, self.source = None, None
         self.commands = {"rollouts": self.start, "generate": lambda version, seed: self.source.next_rollouts(version, seed)}
 
@@ -150,13 +152,13 @@ class RankGeneration:
         if self.engine is None:
             self.engine = make_inference(EngineSettings.from_config(self.cfg), weights, self.tokenizer,
                                          stop_ids=self.stop_ids, device=self.device)
-            self.engine.turn_env = make_turn_env(self.cfg, self.tokenizer)
+            self.engine.turn_env = make_turn_env(self.task, self.tokenizer)
         else:
             self.engine.push_weights(weights, version)
 
     def start(self, batch_index: int) -> None:
         ledger = PromptLedger({"next_batch": batch_index, "pending": []})  # rank 0 keeps the run's ledger
-        self.source = rank_rollouts(self.cfg, self.tokenizer, self.engine, ledger, self.world)
+        self.source = rank_rollouts(self.cfg, self.task, self.tokenizer, self.engine, ledger, self.world)
 
     def shutdown(self) -> None:
         if self.source is not None:

@@ -53,6 +53,7 @@ class RolloutWorker:
         from grpo.inference.engine import make_inference
         from grpo.process.setup import seed_everything
         from grpo.tasks.envs import make_collector, make_env
+        from grpo.tasks.settings import TaskSettings
         from grpo.tasks.tool_env import make_turn_env
         from grpo.training.models import configure_torch, load_tokenizer
 
@@ -68,8 +69,9 @@ class RolloutWorker:
         # pending below, replace its weights before the first batch
         self.inference = make_inference(EngineSettings.from_config(cfg), None, tokenizer, device=torch_device,
                                         stop_ids=stop_ids)
-        self.inference.turn_env = make_turn_env(cfg, tokenizer)
-        self.env = make_env(cfg, tokenizer, split=cfg.env.train_split, repeats=cfg.env.repeats,
+        task = TaskSettings.from_config(cfg)
+        self.inference.turn_env = make_turn_env(task, tokenizer)
+        self.env = make_env(task, tokenizer, split=task.train_split, repeats=cfg.env.repeats,
                             num_envs=cfg.env.num_envs)
         self.collector = make_collector(self.env, self.inference.policy, cfg.env.num_envs)
         self.batches = iter(self.collector)

@@ -24,6 +24,7 @@ from grpo.tasks.data import StreamLoader, data_primer, load_split
 from grpo.tasks.ifeval import load_ifeval_rows
 from grpo.tasks.ifeval_env import make_ifeval_env
 from grpo.tasks.rewards import GSM8KReward, parse_number, reference_answer
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import env_tools
 from grpo.tasks.user_rewards import UserRewards, load_reward_functions, offered_arguments
 
@@ -136,25 +137,25 @@ class Task:
     rewards_alone = False  # reward.functions add to the task's own reward
 
     @staticmethod
-    def prompt_column(cfg) -> str:
+    def prompt_column(settings: TaskSettings) -> str:
         raise NotImplementedError
 
     @staticmethod
-    def answer_column(cfg) -> str | None:
+    def answer_column(settings: TaskSettings) -> str | None:
         """The column reward functions also get as ``answer`` (None: none)."""
         return None
 
     @staticmethod
-    def load_rows(cfg, split: str):
+    def load_rows(settings: TaskSettings, split: str):
         """One split of ``env.dataset``, read and checked row by row."""
         raise NotImplementedError
 
     @staticmethod
-    def system_prompt(cfg) -> str | None:
+    def system_prompt(settings: TaskSettings) -> str | None:
         raise NotImplementedError
 
     @staticmethod
-    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
+    def build(settings: TaskSettings, tokenizer, *, split, repeats, num_envs, shuffle):
         raise NotImplementedError
 
 
@@ -164,31 +165,31 @@ class IFEvalTask(Task):
     eval_fields = {"accuracy": "success", "prompt_strict_acc": "prompt_level_strict_acc",
                    "inst_strict_acc": "inst_level_strict_acc", "prompt_loose_acc": "prompt_level_loose_acc",
                    "inst_loose_acc": "inst_level_loose_acc", "format_rate": "format_ok"}
-    prompt_column = staticmethod(lambda cfg: "prompt")
-    system_prompt = staticmethod(lambda cfg: IFEvalEnv.SYSTEM_PROMPT)
+    prompt_column = staticmethod(lambda settings: "prompt")
+    system_prompt = staticmethod(lambda settings: IFEvalEnv.SYSTEM_PROMPT)
     # validates every row's instruction ids and kwargs
-    load_rows = staticmethod(lambda cfg, split: load_ifeval_rows(cfg.env.dataset, split))
+    load_rows = staticmethod(lambda settings, split: load_ifeval_rows(settings.dataset, split))
 
     @staticmethod
-    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
-        return make_ifeval_env(cfg.env.dataset, split, tokenizer=tokenizer, weights=dict(cfg.reward.ifeval_weights or {}),
-                               num_envs=num_envs, repeats=repeats, seed=cfg.seed, shuffle=shuffle,
-                               system_prompt=cfg.env.system_prompt)
+    def build(settings: TaskSettings, tokenizer, *, split, repeats, num_envs, shuffle):
+        return make_ifeval_env(settings.dataset, split, tokenizer=tokenizer,
+                               weights=dict(settings.ifeval_weights or {}), num_envs=num_envs, repeats=repeats,
+                               seed=settings.seed, shuffle=shuffle, system_prompt=settings.system_prompt)
 
 
 class GSM8KTask(Task):
     eval_fields = {"accuracy": "success", "strict_accuracy": "correct_strict",
                    "flexible_accuracy": "correct_flexible", "answer_rate": "marked_answer"}
-    prompt_column = staticmethod(lambda cfg: "question")
-    system_prompt = staticmethod(lambda cfg: GSM8KTaskEnv.SYSTEM_PROMPTS[cfg.reward.answer_extraction])
-    load_rows = staticmethod(lambda cfg, split: load_gsm8k(cfg.env.dataset, split))
+    prompt_column = staticmethod(lambda settings: "question")
+    system_prompt = staticmethod(lambda settings: GSM8KTaskEnv.SYSTEM_PROMPTS[settings.answer_extraction])
+    load_rows = staticmethod(lambda settings, split: load_gsm8k(settings.dataset, split))
 
     @staticmethod
-    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
-        return GSM8KTaskEnv(dataset=cfg.env.dataset, split=split, tokenizer=tokenizer, repeats=repeats,
-                            num_envs=num_envs, seed=cfg.seed, shuffle=shuffle, system_prompt=cfg.env.system_prompt,
-                            correct_reward=cfg.reward.correct, format_reward=cfg.reward.format,
-                            answer_extraction=cfg.reward.answer_extraction)
+    def build(settings: TaskSettings, tokenizer, *, split, repeats, num_envs, shuffle):
+        return GSM8KTaskEnv(dataset=settings.dataset, split=split, tokenizer=tokenizer, repeats=repeats,
+                            num_envs=num_envs, seed=settings.seed, shuffle=shuffle,
+                            system_prompt=settings.system_prompt, correct_reward=settings.correct_reward,
+                            format_reward=settings.format_reward, answer_extraction=settings.answer_extraction)
 
 
 class GenericTask(Task):
@@ -196,31 +197,32 @@ class GenericTask(Task):
     (eval/accuracy: the share of replies whose reward is above ``reward.success_threshold``)."""
 
     rewards_alone = True
-    prompt_column = staticmethod(lambda cfg: cfg.env.prompt_key)
-    answer_column = staticmethod(lambda cfg: cfg.env.answer_key)
-    system_prompt = staticmethod(lambda cfg: PromptsEnv.SYSTEM_PROMPT)
+    prompt_column = staticmethod(lambda settings: settings.prompt_key)
+    answer_column = staticmethod(lambda settings: settings.answer_key)
+    system_prompt = staticmethod(lambda settings: PromptsEnv.SYSTEM_PROMPT)
 
     @staticmethod
-    def load_rows(cfg, split: str):
-        return load_prompt_rows(cfg.env.dataset, split, prompt_key=cfg.env.prompt_key, answer_key=cfg.env.answer_key)
+    def load_rows(settings: TaskSettings, split: str):
+        return load_prompt_rows(settings.dataset, split, prompt_key=settings.prompt_key,
+                                answer_key=settings.answer_key)
 
     @staticmethod
-    def build(cfg, tokenizer, *, split, repeats, num_envs, shuffle):
-        return PromptsEnv(rows=GenericTask.load_rows(cfg, split), prompt_key=cfg.env.prompt_key, tokenizer=tokenizer,
-                          repeats=repeats, num_envs=num_envs, seed=cfg.seed, shuffle=shuffle,
-                          system_prompt=cfg.env.system_prompt)
+    def build(settings: TaskSettings, tokenizer, *, split, repeats, num_envs, shuffle):
+        return PromptsEnv(rows=GenericTask.load_rows(settings, split), prompt_key=settings.prompt_key,
+                          tokenizer=tokenizer, repeats=repeats, num_envs=num_envs, seed=settings.seed,
+                          shuffle=shuffle, system_prompt=settings.system_prompt)
 
 
 TASKS = {"gsm8k": GSM8KTask, "ifeval": IFEvalTask, "generic": GenericTask}
 
 
-def task_of(cfg) -> type[Task]:
-    return TASKS[cfg.env.task]
+def task_of(settings: TaskSettings) -> type[Task]:
+    return TASKS[settings.task]
 
 
-def task_system_prompt(cfg) -> str | None:
+def task_system_prompt(settings: TaskSettings) -> str | None:
     """The system turn of every prompt: ``env.system_prompt``, or the task's own when it is null."""
-    return task_of(cfg).system_prompt(cfg) if cfg.env.system_prompt is None else cfg.env.system_prompt
+    return task_of(settings).system_prompt(settings) if settings.system_prompt is None else settings.system_prompt
 
 
 def column_values(rows, column: str) -> list:
@@ -229,23 +231,23 @@ def column_values(rows, column: str) -> list:
     return rows[column][:] if hasattr(rows, "column_names") else [row[column] for row in rows]
 
 
-def prompt_column(cfg) -> str:
+def prompt_column(settings: TaskSettings) -> str:
     """The column holding each row's user turn."""
-    return task_of(cfg).prompt_column(cfg)
+    return task_of(settings).prompt_column(settings)
 
 
-def load_splits(cfg) -> dict:
+def load_splits(settings: TaskSettings) -> dict:
     """The train and test splits, as the task reads and checks them, by name; the user's reward
     functions are imported and their parameters checked against the columns. All of it at start:
     a bad row or function would otherwise stop the run when first met."""
-    task = task_of(cfg)
-    splits = {split: task.load_rows(cfg, split) for split in (cfg.env.train_split, cfg.env.test_split)}
-    functions = load_reward_functions(cfg.reward.functions)
+    task = task_of(settings)
+    splits = {split: task.load_rows(settings, split) for split in (settings.train_split, settings.test_split)}
+    functions = load_reward_functions(settings.reward_functions)
     for split, rows in splits.items():
         names = rows.column_names if hasattr(rows, "column_names") else list(rows[0])
-        offered = offered_arguments(names, task.answer_column(cfg))
+        offered = offered_arguments(names, task.answer_column(settings))
         for function in functions:
-            function.check_arguments(offered, f"env.dataset={cfg.env.dataset!r} split {split!r}")
+            function.check_arguments(offered, f"env.dataset={settings.dataset!r} split {split!r}")
     return splits
 
 
@@ -287,18 +289,18 @@ class GroupPromptTokens(IncrementalTokenizer):
         return next_tensordict
 
 
-def make_env(cfg, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle: bool = True):
+def make_env(settings: TaskSettings, tokenizer, *, split: str, repeats: int, num_envs: int, shuffle: bool = True):
     """The task env named by ``env.task`` over one split of ``env.dataset``, with ``reward.functions``
     scoring the replies to the rows it draws (its data primer's), and the prompts' tokens at each reset."""
-    task = task_of(cfg)
-    env = task.build(cfg, tokenizer, split=split, repeats=repeats, num_envs=num_envs, shuffle=shuffle)
-    env.append_transform(GroupPromptTokens(tokenizer, tools=env_tools(cfg)))
-    if cfg.reward.functions:
+    task = task_of(settings)
+    env = task.build(settings, tokenizer, split=split, repeats=repeats, num_envs=num_envs, shuffle=shuffle)
+    env.append_transform(GroupPromptTokens(tokenizer, tools=env_tools(settings)))
+    if settings.reward_functions:
         env.append_transform(UserRewards(
-            load_reward_functions(cfg.reward.functions), cfg.reward.weights, data_primer(env).dataloader.rows,
-            prompt_key=task.prompt_column(cfg), answer_key=task.answer_column(cfg), split=split,
-            tokenizer=tokenizer, sole=task.rewards_alone, timeout_s=cfg.reward.timeout_s,
-            success_threshold=cfg.reward.success_threshold))
+            load_reward_functions(settings.reward_functions), settings.reward_weights,
+            data_primer(env).dataloader.rows, prompt_key=task.prompt_column(settings),
+            answer_key=task.answer_column(settings), split=split, tokenizer=tokenizer, sole=task.rewards_alone,
+            timeout_s=settings.reward_timeout_s, success_threshold=settings.success_threshold))
     skip_identity_inverse(env.transform)
     return env
 

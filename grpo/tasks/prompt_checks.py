@@ -12,10 +12,11 @@ from torchrl.data.llm import History
 from grpo.process.errors import DataError
 from grpo.tasks.envs import column_values, prompt_column, task_system_prompt
 from grpo.tasks.rewards import special_token_pattern
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import env_tools
 
 
-def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
+def check_prompt_lengths(settings: TaskSettings, tokenizer, splits: dict) -> None:
     """Every prompt a run will send must leave its reply room in ``inference_model.max_model_len``.
     ``splits``: the train and test splits, by name, as the task's ``load_rows`` returned them.
 
@@ -26,18 +27,16 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
     11 s and 1.8 GB at 100,000 rows, so a row is tokenised only when its upper bound
     (``PromptLengthBound``) does not fit, which for most data sets is no row at all.
     """
-    system, tools = task_system_prompt(cfg), env_tools(cfg)
-    column = prompt_column(cfg)
+    system, tools = task_system_prompt(settings), env_tools(settings)
+    column = prompt_column(settings)
     bound = PromptLengthBound(tokenizer, system, tools)
-    im = cfg.inference_model
-    replies = ((cfg.env.train_split, "inference_model.max_new_tokens", im.max_new_tokens),
-               (cfg.env.test_split, "eval.max_new_tokens", cfg.eval.max_new_tokens))
-    if cfg.env.max_turns > 1:  # an episode of several turns: its whole budget after the prompt
-        budget = cfg.env.max_episode_tokens or cfg.env.max_turns * im.max_new_tokens
-        replies = tuple((split, "env.max_episode_tokens", budget) for split, _, _ in replies)
+    replies = ((settings.train_split, "inference_model.max_new_tokens", settings.max_new_tokens),
+               (settings.test_split, "eval.max_new_tokens", settings.eval_max_new_tokens))
+    if settings.max_turns > 1:  # an episode of several turns: its whole budget after the prompt
+        replies = tuple((split, "env.max_episode_tokens", settings.episode_tokens) for split, _, _ in replies)
     for split, key, reply in replies:
         prompts = column_values(splits[split], column)
-        room = im.max_model_len - reply
+        room = settings.max_model_len - reply
         maybe_long = [i for i, prompt in enumerate(prompts) if bound(prompt) > room]
         counts = dict(zip(maybe_long, prompt_token_counts(tokenizer, system, [prompts[i] for i in maybe_long], tools)))
         too_long = [i for i in maybe_long if counts[i] > room]
@@ -45,10 +44,10 @@ def check_prompt_lengths(cfg, tokenizer, splits: dict) -> None:
             i = too_long[0]
             more = f" ({len(too_long) - 1} more row(s) too)" if len(too_long) > 1 else ""
             raise DataError(
-                f"env.dataset={cfg.env.dataset!r} split {split!r} row {i}: its prompt is {counts[i]} tokens (chat "
+                f"env.dataset={settings.dataset!r} split {split!r} row {i}: its prompt is {counts[i]} tokens (chat "
                 f"template and system prompt included), which with {key}={reply} exceeds "
-                f"inference_model.max_model_len={im.max_model_len}{more}; raise inference_model.max_model_len to at "
-                f"least {max(counts[j] for j in too_long) + reply}, or shorten or drop the row.")
+                f"inference_model.max_model_len={settings.max_model_len}{more}; raise inference_model.max_model_len "
+                f"to at least {max(counts[j] for j in too_long) + reply}, or shorten or drop the row.")
 
 
 def wrapper_chat_template(tokenizer) -> str | None:
@@ -127,17 +126,17 @@ class PromptLengthBound:
         return self.fixed + len(self.normalize(self.head + prompt + self.tail).encode())
 
 
-def check_prompt_text(cfg, tokenizer, splits: dict) -> None:
+def check_prompt_text(settings: TaskSettings, tokenizer, splits: dict) -> None:
     """No prompt text may hold the tokenizer's special tokens: ``<|im_end|>\\n<|im_start|>assistant`` in a
     question reaches the policy as real chat-control ids, so any row could forge turns. Such rows are
     refused, by row, rather than rewritten: the data is the user's to fix."""
     found = special_token_pattern(tokenizer)
-    column = prompt_column(cfg)
+    column = prompt_column(settings)
     for split, rows in splits.items():
         for i, prompt in enumerate(column_values(rows, column)):
             match = found.search(prompt)
             if match:
                 raise DataError(
-                    f"env.dataset={cfg.env.dataset!r} split {split!r} row {i}: its {column!r} text holds "
+                    f"env.dataset={settings.dataset!r} split {split!r} row {i}: its {column!r} text holds "
                     f"{match.group(0)!r}, a special token of the model's tokenizer, which would be read as a chat "
                     "control token (a forged turn); remove it from the row, or write it another way.")

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import CALL_CLOSE, PYTHON_TOOL, holds_call, parse_call
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.user_code import call_user, import_object
 
 EPISODE_COUNTS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_failures")
@@ -109,41 +110,41 @@ def tool_message(text: str) -> dict:
     return {"role": "tool", "content": text}
 
 
-def make_turn_env(cfg, tokenizer) -> TurnEnv | None:
+def make_turn_env(settings: TaskSettings, tokenizer) -> TurnEnv | None:
     """What answers between turns: the tools ``env.tools`` names, a user's ``env.turn_env`` class, or None (an
     episode is one turn). The sandbox's protections are printed once."""
-    budget = cfg.env.max_episode_tokens or cfg.env.max_turns * cfg.inference_model.max_new_tokens
-    if cfg.env.turn_env:
-        env_class, spec = import_object(cfg.env.turn_env, "env.turn_env"), cfg.env.turn_env
-        return UserTurnEnv(call_user(f"env.turn_env={spec!r}: its constructor", env_class, max_turns=cfg.env.max_turns,
-                                     max_episode_tokens=budget), spec)
-    if list(cfg.env.tools) == ["python"]:
+    budget = settings.episode_tokens
+    if settings.turn_env:
+        env_class, spec = import_object(settings.turn_env, "env.turn_env"), settings.turn_env
+        return UserTurnEnv(call_user(f"env.turn_env={spec!r}: its constructor", env_class,
+                                     max_turns=settings.max_turns, max_episode_tokens=budget), spec)
+    if settings.python_tool:
         from grpo.tasks.sandbox import Sandbox, SandboxSettings  # only where a tool runs
 
-        t = cfg.tools
-        sandbox = Sandbox(SandboxSettings(timeout_s=t.timeout_s, cpu_s=t.cpu_s, memory_mb=t.memory_mb,
-                                          file_size_mb=t.file_size_mb, processes=t.processes,
-                                          output_chars=t.output_chars, workers=t.workers))
+        s = settings
+        sandbox = Sandbox(SandboxSettings(timeout_s=s.tool_timeout_s, cpu_s=s.tool_cpu_s, memory_mb=s.tool_memory_mb,
+                                          file_size_mb=s.tool_file_size_mb, processes=s.tool_processes,
+                                          output_chars=s.tool_output_chars, workers=s.tool_workers))
         print(sandbox.describe(), flush=True)
-        return PythonToolEnv(sandbox, max_turns=cfg.env.max_turns, max_episode_tokens=budget, max_calls=t.max_calls)
+        return PythonToolEnv(sandbox, max_turns=s.max_turns, max_episode_tokens=budget, max_calls=s.tool_max_calls)
     return None
 
 
-def env_tools(cfg) -> list[dict] | None:
+def env_tools(settings: TaskSettings) -> list[dict] | None:
     """The tools the chat template renders into every prompt (None: none)."""
-    return [PYTHON_TOOL] if list(cfg.env.tools) == ["python"] else None
+    return [PYTHON_TOOL] if settings.python_tool else None
 
 
-def turn_stop_ids(cfg, tokenizer, model_stop_ids: list[int]) -> list[int]:
+def turn_stop_ids(settings: TaskSettings, tokenizer, model_stop_ids: list[int]) -> list[int]:
     """Every id that ends an assistant turn: the model's own (``model_stop_ids``) and, with the Python tool, a call's
     closing tag where the tokenizer holds it as one token (Qwen2.5 does): the model never writes the tool's answer."""
-    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False) if list(cfg.env.tools) == ["python"] else []
+    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False) if settings.python_tool else []
     return sorted({*model_stop_ids, *(ids if len(ids) == 1 else [])})
 
 
-def check_turn_config(cfg) -> None:
+def check_turn_config(settings: TaskSettings) -> None:
     """``env.max_turns``, ``env.tools`` and ``env.turn_env`` agree."""
-    tools, turn_env, turns = list(cfg.env.tools), cfg.env.turn_env, cfg.env.max_turns
+    tools, turn_env, turns = list(settings.tools), settings.turn_env, settings.max_turns
     if any(tool != "python" for tool in tools) or len(tools) > 1:
         raise ConfigError(f"env.tools={tools}: the tools are [python] or [] (a tool of your own: env.turn_env).")
     if tools and turn_env:
@@ -157,7 +158,7 @@ def check_turn_config(cfg) -> None:
     if turns == 1 and (tools or turn_env):
         raise ConfigError(f"env.max_turns=1 leaves no turn after a tool call's answer; set env.max_turns=2 or more "
                           f"with env.tools={tools} / env.turn_env={turn_env!r}.")
-    budget = cfg.env.max_episode_tokens
+    budget = settings.max_episode_tokens
     if budget is not None and (not isinstance(budget, int) or budget < 1):
         raise ConfigError(f"env.max_episode_tokens={budget!r}: a positive number of tokens, or null "
                           "(env.max_turns x inference_model.max_new_tokens).")

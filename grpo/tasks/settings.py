@@ -1,0 +1,70 @@
+"""What the tasks layer reads of the config, in one place (``TaskSettings.from_config``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TaskSettings:
+    """The task's data, envs, rewards, turns and tool, read from the config once: the task envs, the data and prompt
+    checks and the turn environments take these, never the config itself. Values are kept as composed, never
+    converted here: a bad one fails where it is checked (``check_turn_config``, ``validate_config``), as before."""
+    task: str                       # env.task: a key of grpo.tasks.envs.TASKS
+    dataset: str                    # hub name or local path
+    train_split: str
+    test_split: str
+    system_prompt: str | None       # every prompt's system turn; None: the task's own
+    prompt_key: str                 # generic task: the column holding the user turn
+    answer_key: str | None          # generic task: the column reward functions also get as answer
+    seed: int                       # the envs' prompt order
+    tools: Sequence[str]            # env.tools: [python] or []
+    turn_env: str | None            # a user's class answering between turns, path/to/file.py:Class or module:Class
+    max_turns: int                  # assistant turns an episode may take
+    max_episode_tokens: int | None  # tokens after the prompt an episode may hold; None: max_turns x max_new_tokens
+    max_new_tokens: int             # a rollout reply's cap (inference_model's)
+    eval_max_new_tokens: int        # an eval reply's cap
+    max_model_len: int              # prompt + reply: every prompt must leave its reply room in it
+    correct_reward: float           # gsm8k: a right final number's reward
+    format_reward: float            # gsm8k: the <think>/<answer> format's reward
+    answer_extraction: str          # gsm8k: flexible, strict or tag
+    ifeval_weights: Mapping[str, float] | None  # ifeval: its reward's parts; None: its defaults
+    reward_functions: Sequence[str]  # the user's, module.path:function or path/to/file.py:function
+    reward_weights: Sequence[float]  # one per reward function; empty: 1.0 each
+    reward_timeout_s: float         # one reward-function call (or batch) may take this long
+    success_threshold: float        # generic task: a reply whose reward is above it counts as solved
+    tool_max_calls: int             # python tool: calls an episode may make
+    tool_timeout_s: float           # python tool: the sandbox's limits on a call (grpo.tasks.sandbox.SandboxSettings)
+    tool_cpu_s: int
+    tool_memory_mb: int
+    tool_file_size_mb: int
+    tool_processes: int
+    tool_output_chars: int
+    tool_workers: int               # calls run at once
+
+    @classmethod
+    def from_config(cls, cfg) -> TaskSettings:
+        env, reward, tools = cfg.env, cfg.reward, cfg.tools
+        return cls(task=env.task, dataset=env.dataset, train_split=env.train_split, test_split=env.test_split,
+                   system_prompt=env.system_prompt, prompt_key=env.prompt_key, answer_key=env.answer_key,
+                   seed=cfg.seed, tools=env.tools, turn_env=env.turn_env, max_turns=env.max_turns,
+                   max_episode_tokens=env.max_episode_tokens, max_new_tokens=cfg.inference_model.max_new_tokens,
+                   eval_max_new_tokens=cfg.eval.max_new_tokens, max_model_len=cfg.inference_model.max_model_len,
+                   correct_reward=reward.correct, format_reward=reward.format,
+                   answer_extraction=reward.answer_extraction, ifeval_weights=reward.ifeval_weights,
+                   reward_functions=reward.functions, reward_weights=reward.weights,
+                   reward_timeout_s=reward.timeout_s, success_threshold=reward.success_threshold,
+                   tool_max_calls=tools.max_calls, tool_timeout_s=tools.timeout_s, tool_cpu_s=tools.cpu_s,
+                   tool_memory_mb=tools.memory_mb, tool_file_size_mb=tools.file_size_mb,
+                   tool_processes=tools.processes, tool_output_chars=tools.output_chars, tool_workers=tools.workers)
+
+    @property
+    def python_tool(self) -> bool:
+        """Whether the Python tool answers between turns (``env.tools: [python]``)."""
+        return list(self.tools) == ["python"]
+
+    @property
+    def episode_tokens(self) -> int:
+        """The tokens after the prompt an episode may hold, the environment's included."""
+        return self.max_episode_tokens or self.max_turns * self.max_new_tokens
