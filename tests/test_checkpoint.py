@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from conftest import REPO, TINY_DATA, TINY_MODEL
 from conftest import compose, train_in_process
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
+from grpo.loop.settings import ResumeSettings
 from grpo.process.errors import ResumeError
 from grpo.tasks.data import PromptStream
 from grpo.tasks.envs import load_gsm8k
@@ -418,24 +419,28 @@ def test_resume_truncation_drops_later_rows_and_a_torn_last_line(tmp_path):
 def test_resume_refuses_foreign_payloads_and_other_models(tmp_path):
     """These used to end in KeyError: 'step' or a size-mismatch dump, deep inside the restore."""
     cfg = compose("grpo_tiny")
+
+    def check(path, payload, cfg):  # as start_run calls it: the settings, and the resolved config compared
+        check_resumable(path, payload, ResumeSettings.from_config(cfg), OmegaConf.to_container(cfg, resolve=True))
+
     (tmp_path / "metrics.jsonl").write_text("")
     in_run_dir = tmp_path / "checkpoints" / "step_00000001.json"
     with pytest.raises(ResumeError, match=r"is not a checkpoint of this project \(it lacks \['step'"):
-        check_resumable(in_run_dir, {"weights": 1}, cfg)
+        check(in_run_dir, {"weights": 1}, cfg)
     payload = {key: {} for key in ("step", "model", "optimizer", "scheduler", "counters", "rng")}
     payload["config"] = {"model": {"name": "other/model"}, "train_model": {"lora": dict(cfg.train_model.lora)}}
     with pytest.raises(ResumeError, match=r"made with model.name='other/model', this run has .*tiny-model"):
-        check_resumable(in_run_dir, payload, cfg)
+        check(in_run_dir, payload, cfg)
     payload["config"], payload["step"] = OmegaConf.to_container(cfg, resolve=True), 1
-    check_resumable(in_run_dir, payload, cfg)  # the same model and run, in a run dir: fine
+    check(in_run_dir, payload, cfg)  # the same model and run, in a run dir: fine
     payload["config"]["train"]["inference_is_cap"] = 2.0  # a checkpoint from before train.importance_sampling
     with pytest.raises(ResumeError, match=r"train.inference_is_cap=2.0, retired: pass "
                                           r"train.importance_sampling=token_truncate train.is_high=2.0 to go on"):
-        check_resumable(in_run_dir, payload, cfg)
+        check(in_run_dir, payload, cfg)
     now = compose("grpo_tiny", ["train.importance_sampling=token_truncate", "train.is_high=2.0"])
-    check_resumable(in_run_dir, payload, now)
+    check(in_run_dir, payload, now)
     with pytest.raises(ResumeError, match=r"is not in a run dir's checkpoints/ folder"):
-        check_resumable(tmp_path / "elsewhere" / "step_00000001.json", payload, cfg)  # it would write into its parent
+        check(tmp_path / "elsewhere" / "step_00000001.json", payload, cfg)  # it would write into its parent
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())

@@ -38,6 +38,7 @@ from grpo.loop.logger import RunLogger, read_metrics
 from grpo.loop.records import RunRecords
 from grpo.loop.resume import find_checkpoint
 from grpo.loop.disk_room import checkpoints_at_once
+from grpo.loop.settings import RecordSettings
 from grpo.process.errors import (CheckpointError, ConfigError, DataError, NonFiniteError, RewardTimeout,
                                  RunDirError)
 from grpo.process.setup import RunDirClaim, StopFlag, raise_if_interrupted_twice
@@ -184,7 +185,7 @@ def test_the_room_asked_at_start_is_for_the_checkpoints_a_run_holds_at_once(keep
     full disk, and every step since its first was lost."""
     cfg = compose("grpo_tiny", [f"logging.keep_last={keep_last}", f"train.checkpoint_frequency={frequency}",
                                 f"train.total_steps={total}"])
-    assert checkpoints_at_once(cfg, start, written) == at_once
+    assert checkpoints_at_once(RecordSettings.from_config(cfg), start, written) == at_once
 
 
 def test_a_run_whose_disk_holds_fewer_checkpoints_than_it_keeps_stops_before_training(script, tmp_path,  # noqa: F811

@@ -12,6 +12,7 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.loop.logger import RunLogger, profile_to, read_metrics, reply_samples
+from grpo.loop.settings import RecordSettings
 from grpo.tasks.envs import load_gsm8k, make_collector, make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
@@ -70,7 +71,7 @@ def test_samples_are_the_first_prompts_replies_with_their_rewards(rollouts):
 def test_samples_are_in_the_file_as_soon_as_logged_and_on_the_console(rollouts, tmp_path, capsys):
     batch, tok, stop_ids, _ = rollouts
     samples = reply_samples(Replies.from_collector(batch), 2, tok)
-    logger = RunLogger(tmp_path, compose("grpo_tiny", ["logger=none"]), {})
+    logger = RunLogger(tmp_path, RecordSettings.from_config(compose("grpo_tiny", ["logger=none"])), {})
     try:
         logger.log_samples(3, samples[:4])
         logger.log_samples(6, samples[4:])

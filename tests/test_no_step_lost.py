@@ -18,6 +18,7 @@ from grpo.loop.disk_room import HeldRoom
 from grpo.loop.logger import RunLogger, plot_metrics, read_metrics
 from grpo.loop.resume import truncate_metrics
 from grpo.loop.records import RunRecords
+from grpo.loop.settings import RecordSettings
 from grpo.process.errors import CheckpointError, ConfigError, ResumeError, RunDirError, UserCodeError, clear_errors
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env
@@ -189,7 +190,7 @@ def test_a_run_dir_gone_from_its_place_has_its_rows_written_there_again(tmp_path
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text("- train.total_steps=4\n")  # what resume=auto finds it by
-    logger = RunLogger(run_dir, compose("grpo_tiny", ["logger=none"]), {})
+    logger = RunLogger(run_dir, RecordSettings.from_config(compose("grpo_tiny", ["logger=none"])), {})
     logger.log({"step": 1, "reward": 0.5})
     logger.log_eval_scores(1, [1.0, 0.0])
     shutil.rmtree(run_dir) if how == "deleted" else run_dir.rename(tmp_path / "elsewhere")
@@ -267,10 +268,10 @@ def test_a_collapsing_run_warns_at_each_eval_and_keeps_its_best_weights_apart(sc
 
 
 def test_an_eval_far_below_the_best_warns_naming_the_best_checkpoint(tmp_path, capsys):
-    cfg = compose("grpo_tiny", [])
-    best = BestCheckpoint(cfg, tmp_path, [{"step": 0, "eval/accuracy": 0.25}, {"step": 10, "eval/accuracy": 0.438}])
+    keep = compose("grpo_tiny", []).logging.keep_best
+    best = BestCheckpoint(keep, tmp_path, [{"step": 0, "eval/accuracy": 0.25}, {"step": 10, "eval/accuracy": 0.438}])
     saved = []
-    BestCheckpoint(cfg, tmp_path, [{"step": 0, "eval/accuracy": 0.15}]).after_eval(10, 0.07, saved.append)
+    BestCheckpoint(keep, tmp_path, [{"step": 0, "eval/accuracy": 0.15}]).after_eval(10, 0.07, saved.append)
     assert capsys.readouterr().out == "" and saved == []  # under half, but not 10 points below: a small eval's noise
     best.after_eval(30, 0.0, saved.append)
     assert capsys.readouterr().out == ("step 30: warning: held-out accuracy 0.000 is far below its best, 0.438 at step "

@@ -5,13 +5,14 @@ import torch
 from conftest import compose
 from grpo.loop.logger import RunLogger, read_metrics
 from grpo.loop.records import RunRecords
+from grpo.loop.settings import RecordSettings
 
 
 def test_a_step_row_counts_the_graphs_torch_compile_made_in_it(tmp_path):
     """A step that compiled (a first shape, then a batch of one row: dynamo specialises on size 1) counts
     its graphs; a step that only reuses them counts none, nor does one after a compile between steps (an eval's)."""
-    cfg = compose("grpo_tiny")
-    records = RunRecords(cfg, tmp_path, {}, RunLogger(tmp_path, cfg, {}), None, [])
+    settings = RecordSettings.from_config(compose("grpo_tiny"))
+    records = RunRecords(settings, tmp_path, {}, RunLogger(tmp_path, settings, {}), None, [])
     double = torch.compile(lambda x: 2 * x, dynamic=True)
     for step, rows in enumerate([3, 4, 1, 5], start=1):
         t0 = records.start_step()

@@ -17,6 +17,7 @@ import pytest
 from conftest import REPO, compose_in_run_dir
 from grpo.loop.evaluation import pass_at_k
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.loop.settings import RecordSettings
 
 SMALL = ["train.total_steps=2", "eval.frequency=1", "eval.num_problems=8", "eval.batch_size=8", "env.num_envs=16",
          "env.repeats=4", "train.dialog_turns_per_batch=16", "train.optim_batch_size=8", "logging.samples_every=1",
@@ -147,7 +148,7 @@ def test_the_trackers_take_numbers_replies_and_a_plot_and_skip_the_rest(tmp_path
 
     cfg = compose_in_run_dir(tmp_path, [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}",
                                         "logger=[tensorboard,csv,mlflow]"])
-    logger = RunLogger(tmp_path, cfg, {})
+    logger = RunLogger(tmp_path, RecordSettings.from_config(cfg), {})
     logger.log({"step": 0, "event": "start", "devices/train": "cpu"})
     logger.log({"step": 3, "reward": 0.5, "prompt_indices": [1, 2], "eval/pass@2": 1.0, "lr": math.nan})
     logger.log_samples(3, [{"group": 0, "row": 7, "prompt": "2 + 2?", "reply": "4", "reward": 1.0}])

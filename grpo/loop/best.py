@@ -20,10 +20,11 @@ SKIPPED_IN_A_ROW = 3      # steps in a row that changed no weight: the gradients
 
 
 class BestCheckpoint:
-    """``rows``: the run dir's metrics rows so far (a resumed run's best and skips count)."""
+    """``keep``: ``logging.keep_best``; ``rows``: the run dir's metrics rows so far (a resumed run's best and skips
+    count)."""
 
-    def __init__(self, cfg, run_dir: Path, rows: list[dict]):
-        self.keep, self.folder = cfg.logging.keep_best, run_dir / "best"
+    def __init__(self, keep: bool, run_dir: Path, rows: list[dict]):
+        self.keep, self.folder = keep, run_dir / "best"
         evals = [(row["step"], row["eval/accuracy"]) for row in rows if "eval/accuracy" in row]
         self.best: tuple[int, float] | None = max(evals, key=lambda e: e[1]) if evals else None
         self.path: Path | None = next(iter(sorted(self.folder.glob("step_*.json"))), None) if self.keep else None

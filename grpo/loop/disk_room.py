@@ -13,18 +13,19 @@ import errno
 import os
 from pathlib import Path
 
+from grpo.loop.settings import RecordSettings
 from grpo.process.errors import RunDirError
 from grpo.training import checkpoint as ckpt
 
 ROOM_FILE = ".checkpoint_room"  # hidden: no reader of a run dir lists it
 
 
-def checkpoints_at_once(cfg, start_step: int, written: int) -> int:
+def checkpoints_at_once(settings: RecordSettings, start_step: int, written: int) -> int:
     """The most checkpoints a run from ``start_step`` holds on disk at once, ``written`` (by a run it resumes)
     included: each new one is written before ``logging.keep_last`` prunes the oldest; at least one more."""
-    freq, total = cfg.train.checkpoint_frequency, cfg.train.total_steps
+    freq, total = settings.checkpoint_frequency, settings.total_steps
     due = {s for s in range(start_step + 1, total + 1) if freq and s % freq == 0} | {total}
-    keep_last = cfg.logging.keep_last
+    keep_last = settings.keep_last
     return max(written + 1, min(keep_last, written + len(due) - 1) + 1 if keep_last else written + len(due))
 
 
@@ -34,15 +35,15 @@ def checkpoint_bytes(trainable_bytes: int) -> int:
     return 3 * trainable_bytes + 2 * 2**20
 
 
-def check_room_at_start(cfg, run_dir: Path, start_step: int, trainable_bytes: int) -> None:
+def check_room_at_start(settings: RecordSettings, run_dir: Path, start_step: int, trainable_bytes: int) -> None:
     """A disk that cannot hold the run's checkpoints (those it keeps, and the one being written) and its best
     weights (``logging.keep_best``: kept, and the next best being written) is refused now."""
-    written = len(ckpt.list_checkpoints(run_dir / cfg.logging.checkpoint_dir))
-    at_once = checkpoints_at_once(cfg, start_step, written)
-    best = 2 if cfg.logging.keep_best else 0  # the best weights kept, and the next best being written
+    written = len(ckpt.list_checkpoints(run_dir / settings.checkpoint_dir))
+    at_once = checkpoints_at_once(settings, start_step, written)
+    best = 2 if settings.keep_best else 0  # the best weights kept, and the next best being written
     ckpt.check_free_space(run_dir, ((at_once - written) * 3 + best) * trainable_bytes,
                           f"this run's checkpoints (weights and AdamW, {at_once} on disk at once with "
-                          f"logging.keep_last={cfg.logging.keep_last}"
+                          f"logging.keep_last={settings.keep_last}"
                           f"{', and the weights twice for logging.keep_best' if best else ''})",
                           "run again (or point hydra.run.dir at a larger disk)")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from grpo.loop.settings import RecordSettings
 from grpo.loop.trackers import start_trackers
 from grpo.process.console import say
 from grpo.process.errors import RunDirError
@@ -40,7 +41,10 @@ CONSOLE_WIDTH = 110  # characters of a prompt or reply on the console; samples.j
 
 
 class RunLogger:
-    def __init__(self, run_dir: Path, cfg, resolved_config: dict, *, wandb_run_id: str | None = None):
+    """``resolved_config``: the run's whole config, which the trackers keep with the run (wandb's config)."""
+
+    def __init__(self, run_dir: Path, settings: RecordSettings, resolved_config: dict, *,
+                 wandb_run_id: str | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -50,7 +54,7 @@ class RunLogger:
         # the run's config record (what resume=auto finds it by): small, held to be put back too
         self._hydra = {p: p.read_bytes() for p in sorted((self.run_dir / ".hydra").glob("*.yaml"))}
         self.failed = False  # a write failed (and said so): closing then only lets go of the files
-        self.trackers = start_trackers(cfg, self.run_dir, resolved_config, wandb_run_id)
+        self.trackers = start_trackers(settings, self.run_dir, resolved_config, wandb_run_id)
 
     @property
     def wandb_run_id(self) -> str | None:

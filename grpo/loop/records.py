@@ -14,8 +14,9 @@ from grpo.loop.best import BestCheckpoint
 from grpo.loop.disk_room import HeldRoom
 from grpo.loop.evaluation import gain_text
 from grpo.loop.logger import RunLogger, read_metrics
+from grpo.loop.settings import RecordSettings
 from grpo.process.errors import RunDirError
-from grpo.loop.trackers import TRACKER_DIRS, tracker_names
+from grpo.loop.trackers import TRACKER_DIRS
 from grpo.process.console import say
 from grpo.training import checkpoint as ckpt
 
@@ -41,15 +42,16 @@ def graphs_compiled() -> int:
 class RunRecords:
     """``last_checkpoint``: (step, path) of the newest checkpoint this run can continue from; ``gpu_ids``: the
     GPUs this process computes on, whose peak memory each step reports; ``room``: the disk space its next
-    checkpoint is sure of (None: it writes none)."""
+    checkpoint is sure of (None: it writes none); ``resolved_config``: the run's whole config, which each checkpoint
+    keeps (what a resumed run is compared with)."""
 
-    def __init__(self, cfg, run_dir: Path, resolved_config: dict, logger: RunLogger,
+    def __init__(self, settings: RecordSettings, run_dir: Path, resolved_config: dict, logger: RunLogger,
                  last_checkpoint: tuple[int, Path] | None, gpu_ids: list[int], room: HeldRoom | None = None):
         self.run_dir, self.resolved_config, self.logger, self.gpu_ids = run_dir, resolved_config, logger, gpu_ids
-        self.checkpoint_dir, self.keep_last = run_dir / cfg.logging.checkpoint_dir, cfg.logging.keep_last
+        self.checkpoint_dir, self.keep_last = run_dir / settings.checkpoint_dir, settings.keep_last
         self.last_checkpoint, self.room = last_checkpoint, room
-        self.trackers = tracker_names(cfg.logger)  # where the summary points
-        self.best = BestCheckpoint(cfg, run_dir, read_metrics(logger.path))
+        self.trackers = settings.trackers  # where the summary points
+        self.best = BestCheckpoint(settings.keep_best, run_dir, read_metrics(logger.path))
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
         self.graphs_before = 0  # graphs_compiled() when the step started

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from grpo.loop.config import inference_is_cap_now
 from grpo.loop.logger import read_metrics
+from grpo.loop.settings import ResumeSettings
 from grpo.process.errors import ResumeError
 from grpo.training.checkpoint import CKPT_PATTERN, FRESH, PICKLED, list_checkpoints, load_checkpoint, load_latest_good
 
@@ -20,36 +21,37 @@ from grpo.training.checkpoint import CKPT_PATTERN, FRESH, PICKLED, list_checkpoi
 PAYLOAD_KEYS = ("step", "model", "optimizer", "scheduler", "counters", "rng", "config")
 
 
-def check_resumable(path: Path, payload, cfg) -> None:
-    """A ResumeError unless ``payload`` is one of our checkpoints, of the model and adapters this run trains."""
+def check_resumable(path: Path, payload, settings: ResumeSettings, resolved_config: dict) -> None:
+    """A ResumeError unless ``payload`` is one of our checkpoints, of the model and adapters this run trains.
+    ``resolved_config``: this run's whole config, compared with the one the checkpoint keeps."""
     missing = [key for key in PAYLOAD_KEYS if key not in payload] if isinstance(payload, dict) else PAYLOAD_KEYS
     if missing:
         raise ResumeError(f"resume: {path} is not a checkpoint of this project (it lacks {list(missing)}); give a run "
                           "dir or one of its checkpoints/step_*.json.")
     run_dir = path.parent.parent
-    if path.parent.name != cfg.logging.checkpoint_dir or not (run_dir / "metrics.jsonl").is_file():
-        raise ResumeError(f"resume: {path} is not in a run dir's {cfg.logging.checkpoint_dir}/ folder (next to its "
+    if path.parent.name != settings.checkpoint_dir or not (run_dir / "metrics.jsonl").is_file():
+        raise ResumeError(f"resume: {path} is not in a run dir's {settings.checkpoint_dir}/ folder (next to its "
                           "metrics.jsonl), and a resumed run continues in that run dir; give the run dir it came from.")
     saved = payload["config"]
     for section, key in (("model", "name"), ("train_model", "lora")):
-        was, now = saved.get(section, {}).get(key), OmegaConf.to_container(cfg[section], resolve=True)[key]
+        was, now = saved.get(section, {}).get(key), resolved_config[section][key]
         if was != now:
             raise ResumeError(f"resume: {path} was made with {section}.{key}={was!r}, this run has {now!r}; pass "
                               f"{section}.{key} as it was, or start without resume.")
-    if cfg.train.total_steps == 0:  # evaluation only: nothing is trained on, any config may read the weights
+    if settings.total_steps == 0:  # evaluation only: nothing is trained on, any config may read the weights
         return
-    if payload["step"] > cfg.train.total_steps:  # it ended "run finished", rc 0, having trained nothing
+    if payload["step"] > settings.total_steps:  # it ended "run finished", rc 0, having trained nothing
         done = payload["step"]
-        raise ResumeError(f"resume: {path} is at step {done}, past train.total_steps={cfg.train.total_steps}: nothing "
+        raise ResumeError(f"resume: {path} is at step {done}, past train.total_steps={settings.total_steps}: nothing "
                           f"is left to train; pass train.total_steps above {done} (or 0 to evaluate it).")
-    cap, t = _select(saved, "train.inference_is_cap"), cfg.train
-    now = (t.importance_sampling, t.is_high)
-    if cap is not None and now != ("token_truncate", cap) and not cfg.resume_allow_changes:
+    cap = _select(saved, "train.inference_is_cap")
+    now = (settings.importance_sampling, settings.is_high)
+    if cap is not None and now != ("token_truncate", cap) and not settings.allow_changes:
         raise ResumeError(f"resume: {path} was trained with train.inference_is_cap={cap}, retired: pass "
                           f"{inference_is_cap_now(cap)} to go on as it did (or resume_allow_changes=true).")
-    changed = [f"{key}={_select(saved, key)!r} -> {_select(now, key)!r}" for now in [OmegaConf.to_container(cfg, resolve=True)]
-               for key in meaning_keys(cfg) if _select(saved, key) != _select(now, key)]
-    if changed and cfg.resume_allow_changes:
+    changed = [f"{key}={_select(saved, key)!r} -> {_select(resolved_config, key)!r}"
+               for key in meaning_keys(settings.schedule) if _select(saved, key) != _select(resolved_config, key)]
+    if changed and settings.allow_changes:
         warnings.warn(f"resume: {path} continues with a changed meaning (resume_allow_changes=true): {'; '.join(changed)}")
     elif changed:
         raise ResumeError(f"resume: this run changes what {path}'s run means ({'; '.join(changed)}): its prompt stream, "
@@ -57,14 +59,14 @@ def check_resumable(path: Path, payload, cfg) -> None:
                           "were, or resume_allow_changes=true to continue anyway.")
 
 
-def meaning_keys(cfg) -> list[str]:
+def meaning_keys(schedule: str) -> list[str]:
     """What a resumed run may not change unasked: the data and its order, the batch the prompt stream counts
     in, the learning-rate schedule (with a cosine schedule, its length: train.total_steps, in optimiser steps
-    of train.optim_batch_size replies)."""
+    of train.optim_batch_size replies). ``schedule``: optimizer.schedule."""
     keys = ["env.task", "env.dataset", "env.train_split", "env.repeats", "env.system_prompt",
             "train.dialog_turns_per_batch", "train.epochs", "optimizer.lr", "optimizer.schedule",
             "optimizer.warmup_steps", "optimizer.min_lr_ratio"]
-    return keys + (["train.total_steps", "train.optim_batch_size"] if cfg.optimizer.schedule == "cosine" else [])
+    return keys + (["train.total_steps", "train.optim_batch_size"] if schedule == "cosine" else [])
 
 
 def _select(config: dict, dotted: str):

@@ -32,6 +32,7 @@ from grpo.loop.evaluation import Evaluator
 from grpo.loop.logger import RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
+from grpo.loop.settings import RecordSettings, ResumeSettings
 from grpo.process.console import say
 from grpo.process.devices import DeviceAllocation, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError
@@ -131,7 +132,7 @@ def start_run(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu
             str(cfg.resume), experiment_name=cfg.logging.experiment_name,
             overrides=list(HydraConfig.get().overrides.task),
             search_roots=[REPO_ROOT / "outputs", REPO_ROOT / "multirun"])
-        check_resumable(ckpt_path, payload, cfg)
+        check_resumable(ckpt_path, payload, ResumeSettings.from_config(cfg), resolved_config(cfg))
         last_checkpoint = (payload["step"], ckpt_path)
         if not eval_only:  # continue in the original run dir: its metrics, checkpoints and wandb run
             run_dir = ckpt_path.parent.parent
@@ -177,9 +178,10 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     engine.turn_env = make_turn_env(task, tokenizer)  # what answers between turns (None: one turn an episode)
     trainer.take_samples_from(engine)  # ref_model.score_early: the reference scores replies as they are sampled
     num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
+    record_settings = RecordSettings.from_config(cfg)  # what the logger, trackers, checkpoints and disk checks read
     if not eval_only:  # a disk that cannot hold the run's checkpoints would lose every step since the last one
-        check_room_at_start(cfg, run_dir, payload["step"] if payload else 0, trainer.trainable_bytes())
-    logger = RunLogger(str(run_dir), cfg, config_record,
+        check_room_at_start(record_settings, run_dir, payload["step"] if payload else 0, trainer.trainable_bytes())
+    logger = RunLogger(str(run_dir), record_settings, config_record,
                        wandb_run_id=payload.get("wandb_run_id") if payload and not eval_only else None)
     event = "eval_only" if eval_only else "resume" if payload else "start"
     logger.log({"step": payload["step"] if payload else 0, "event": event,
@@ -195,7 +197,7 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     gpu_ids = sorted({*devices.train, *devices.ref, *([] if dedicated_inference else devices.inference)})
     # made last: a start that fails leaves no room file behind
     room = None if eval_only else HeldRoom(run_dir, checkpoint_bytes(trainer.trainable_bytes()))
-    records = RunRecords(cfg, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)
+    records = RunRecords(record_settings, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, task=task, stop_ids=stop_ids, trainer=trainer,
                engine=engine, evaluator=evaluator, records=records,
                stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # settings.py imports tracker_names from here
+    from grpo.loop.settings import RecordSettings
 
 TRACKER_DIRS = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlruns", "csv": "csv"}  # in the run dir
 
@@ -79,21 +83,24 @@ class Tracker:
         return name.replace("@", "_at_") if self.kind == "mlflow" else name
 
 
-def start_trackers(cfg, run_dir: Path, resolved_config: dict, wandb_run_id: str | None) -> list[Tracker]:
-    """A tracker for each of ``logger=``'s names, writing under ``run_dir``."""
+def start_trackers(settings: RecordSettings, run_dir: Path, resolved_config: dict,
+                   wandb_run_id: str | None) -> list[Tracker]:
+    """A tracker for each of ``logger=``'s names, writing under ``run_dir``; ``resolved_config``: the run's whole
+    config, which wandb keeps with the run."""
     from torchrl.record.loggers import CSVLogger, MLFlowLogger, TensorboardLogger
 
     trackers = []
-    for kind in tracker_names(cfg.logger):
+    for kind in settings.trackers:
         if kind == "wandb":
-            logger = _wandb_logger(cfg, run_dir, resolved_config, wandb_run_id)
+            logger = _wandb_logger(settings, run_dir, resolved_config, wandb_run_id)
         elif kind == "tensorboard":
             logger = TensorboardLogger(exp_name=TRACKER_DIRS[kind], log_dir=str(run_dir))
         elif kind == "csv":
             logger = CSVLogger(exp_name=TRACKER_DIRS[kind], log_dir=str(run_dir))
         else:
             store = run_dir / TRACKER_DIRS[kind]
-            logger = MLFlowLogger(exp_name=_mlflow_experiment(cfg.logging.experiment_name, store), tracking_uri=store.as_uri())
+            logger = MLFlowLogger(exp_name=_mlflow_experiment(settings.experiment_name, store),
+                                  tracking_uri=store.as_uri())
         trackers.append(Tracker(kind, logger))
     return trackers
 
@@ -124,20 +131,20 @@ def wandb_naming(experiment_name: str, hydra_cfg) -> dict:
             "group": f"{experiment_name} {hydra_cfg.sweep.dir}"[-128:]}
 
 
-def _wandb_logger(cfg, run_dir: Path, resolved_config: dict, run_id: str | None):
+def _wandb_logger(settings: RecordSettings, run_dir: Path, resolved_config: dict, run_id: str | None):
     import wandb
     from hydra.core.hydra_config import HydraConfig
     from torchrl.record.loggers import WandbLogger
 
-    mode = cfg.wandb.mode
+    mode = settings.wandb_mode
     if mode == "auto":
         mode = "online" if (os.environ.get("WANDB_API_KEY") or _has_netrc_key()) else "offline"
     # wandb advertises Weave whenever openai is imported (vLLM and others import it); no use to a GRPO run
     os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
-    naming = wandb_naming(cfg.logging.experiment_name, HydraConfig.get())
+    naming = wandb_naming(settings.experiment_name, HydraConfig.get())
     return WandbLogger(
-        exp_name=naming.pop("name"), save_dir=str(run_dir), id=run_id, project=cfg.wandb.project,
-        log_env_packages=False, entity=cfg.wandb.entity, **naming, config=resolved_config, mode=mode,
+        exp_name=naming.pop("name"), save_dir=str(run_dir), id=run_id, project=settings.wandb_project,
+        log_env_packages=False, entity=settings.wandb_entity, **naming, config=resolved_config, mode=mode,
         resume="allow" if run_id else None,
         # quiet: where the run is saved, but no history and summary dump at the end (metrics.jsonl has them)
         settings=wandb.Settings(console="off", x_disable_stats=True, quiet=True))

@@ -1,0 +1,57 @@
+"""What the loop layer's record-keeping reads of the config, in one place: ``RecordSettings.from_config`` (the
+logger, trackers, checkpoints, disk room and best weights) and ``ResumeSettings.from_config`` (resume='s checks)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from grpo.loop.trackers import tracker_names
+
+
+@dataclass(frozen=True)
+class RecordSettings:
+    """Where a run's rows go and which checkpoints it keeps, read from the config once: the logger, the trackers,
+    the run's records, the disk-room checks and the best checkpoint take these, never the config itself."""
+    logger: str | Sequence[str]     # logger=: a tracker's name, a list of them, or none
+    experiment_name: str            # the trackers' run name (wandb's, MLflow's experiment)
+    wandb_project: str
+    wandb_entity: str | None        # wandb's team or user; None: its default
+    wandb_mode: str                 # auto (online with an API key, else offline), online or offline
+    checkpoint_dir: str             # the run dir's folder of checkpoints
+    keep_last: int                  # checkpoints kept, older ones deleted; 0: all
+    keep_best: bool                 # the best held-out eval's weights kept in <run dir>/best/
+    checkpoint_frequency: int       # GRPO steps between checkpoints; 0: only at the end
+    total_steps: int                # the run's last step, where its final checkpoint is written
+
+    @classmethod
+    def from_config(cls, cfg) -> RecordSettings:
+        logging, wandb = cfg.logging, cfg.wandb
+        return cls(logger=cfg.logger, experiment_name=logging.experiment_name, wandb_project=wandb.project,
+                   wandb_entity=wandb.entity, wandb_mode=wandb.mode, checkpoint_dir=logging.checkpoint_dir,
+                   keep_last=logging.keep_last, keep_best=logging.keep_best,
+                   checkpoint_frequency=cfg.train.checkpoint_frequency, total_steps=cfg.train.total_steps)
+
+    @property
+    def trackers(self) -> list[str]:
+        """``logger=``'s trackers, ``none`` left out."""
+        return tracker_names(self.logger)
+
+
+@dataclass(frozen=True)
+class ResumeSettings:
+    """What decides whether a checkpoint may continue this run, beside the resolved config it is compared with
+    (``check_resumable``)."""
+    checkpoint_dir: str             # the run dir's folder of checkpoints, where a resumed one must sit
+    total_steps: int                # 0: evaluation only, any config may read the weights
+    importance_sampling: str        # with is_high: what a retired train.inference_is_cap became
+    is_high: float
+    schedule: str                   # optimizer.schedule: a cosine one's length is part of the run's meaning
+    allow_changes: bool             # resume_allow_changes: a changed meaning warns instead of refusing
+
+    @classmethod
+    def from_config(cls, cfg) -> ResumeSettings:
+        train = cfg.train
+        return cls(checkpoint_dir=cfg.logging.checkpoint_dir, total_steps=train.total_steps,
+                   importance_sampling=train.importance_sampling, is_high=train.is_high,
+                   schedule=cfg.optimizer.schedule, allow_changes=cfg.resume_allow_changes)
