@@ -54,6 +54,7 @@ def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed:
     from grpo.tasks.envs import make_env
     from grpo.tasks.settings import TaskSettings
     from grpo.training.models import load_policy_model, load_tokenizer
+    from grpo.training.settings import ModelSettings
     from tools.compose import compose_config
 
     set_list_to_stack(True).set()
@@ -62,7 +63,7 @@ def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed:
                                        f"inference_model.max_new_tokens={max_new_tokens}"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
-    model = load_policy_model(cfg, tok, torch.device(device))
+    model = load_policy_model(ModelSettings.from_config(cfg), tok, torch.device(device))
     sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
     never = [tok.vocab_size + 1000]  # a stop id no token has
     policy = make_transformers_policy(sampler, tok, gen_kwargs=generate_kwargs(

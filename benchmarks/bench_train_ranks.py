@@ -59,8 +59,9 @@ def rank_main(args) -> None:
     from grpo.process.world import World
     from grpo.training.logprobs import ReplyLogProbs, score_replies
     from grpo.training.models import load_policy_model, load_tokenizer
+    from grpo.training.settings import ModelSettings
     from grpo.training.step import GRPOSettings
-    from grpo.training.trainer import Trainer
+    from grpo.training.trainer import Trainer, TrainerSettings
 
     if args.device == "cpu":
         torch.set_num_threads(1)
@@ -73,11 +74,11 @@ def rank_main(args) -> None:
                                      f"train.dialog_turns_per_batch={args.replies}", f"env.repeats={args.group}",
                                      *filter(None, args.overrides.split(","))])
     tokenizer = load_tokenizer(args.model_dir)
-    policy = load_policy_model(cfg, tokenizer, device)
+    policy = load_policy_model(ModelSettings.from_config(cfg), tokenizer, device)
     batch, prompt_len, reply_len = synthetic_batch(len(tokenizer), args, args.lengths, tokenizer.pad_token_id)
     with torch.no_grad():  # on-policy: the sampler's log-probs are the policy's own, scored before it is sharded
         batch["behaviour_log_probs"] = score_replies(batch, ReplyLogProbs(policy), GRPOSettings.from_config(cfg)).float()
-    trainer = Trainer(cfg, policy, None, pad_token_id=tokenizer.pad_token_id, world=world)
+    trainer = Trainer(TrainerSettings.from_config(cfg), policy, None, pad_token_id=tokenizer.pad_token_id, world=world)
     times = []
     for call in range(1 + args.repeats):
         if device.type == "cuda":

@@ -99,6 +99,7 @@ def main(argv=None) -> None:
     from bench_vs_trl import build_random_init_model
     from grpo.training.logprobs import ReplyLogProbs, score_replies
     from grpo.training.models import enable_activation_checkpointing, load_policy_model, load_tokenizer
+    from grpo.training.settings import ModelSettings, OptimizerSettings
     from grpo.training.step import GRPOSettings, GRPOStep
     from grpo.training.trainer import make_optimizer, make_scheduler
 
@@ -112,10 +113,12 @@ def main(argv=None) -> None:
         tokenizer = load_tokenizer(str(model_dir))
         print(json.dumps({"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                           "shape": args.shape, "replies": args.replies, "optim_batch_size": cfg.train.optim_batch_size}))
-        model = load_policy_model(cfg, tokenizer, device)  # each variant sets which of its layers recompute
+        # each variant sets which of its layers recompute
+        model = load_policy_model(ModelSettings.from_config(cfg), tokenizer, device)
         initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         params = sum(p.numel() for p in initial.values()) - initial["model.embed_tokens.weight"].numel()
         base = GRPOSettings.from_config(cfg)
+        optim = dataclasses.replace(OptimizerSettings.from_config(cfg), total_optim_steps=10)
         policy = ReplyLogProbs(model)
         if base.compile:  # once: every variant's step then shares the compiled layers and head
             policy.compile_for_training()
@@ -134,9 +137,9 @@ def main(argv=None) -> None:
                 for call in range(1 + args.repeats):
                     with torch.no_grad():
                         model.load_state_dict(initial)
-                    optimizer = make_optimizer(cfg, model)
-                    step = GRPOStep(settings, policy=policy, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 10),
-                                    pad_token_id=tokenizer.pad_token_id)
+                    optimizer = make_optimizer(optim, model)
+                    step = GRPOStep(settings, policy=policy, optimizer=optimizer,
+                                    scheduler=make_scheduler(optim, optimizer), pad_token_id=tokenizer.pad_token_id)
                     torch.manual_seed(args.seed)  # the same minibatches for every variant
                     if device.type == "cuda":
                         torch.cuda.synchronize()

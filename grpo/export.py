@@ -28,6 +28,7 @@ from grpo.process.setup import resolve_local_paths
 from grpo.tasks.prompt_checks import wrapper_chat_template
 from grpo.training import checkpoint as ckpt
 from grpo.training.models import inference_state_dict, load_policy_model, load_tokenizer, stop_token_ids
+from grpo.training.settings import ModelSettings
 
 
 def export_model(model, tokenizer, out_dir, state: dict | None = None) -> Path:
@@ -113,7 +114,7 @@ def export_checkpoint(target, out_dir) -> tuple[Path, int]:
     config = OmegaConf.create(payload["config"])
     resolve_local_paths(config)
     tokenizer = load_tokenizer(config.model.name)
-    model = load_policy_model(config, tokenizer, torch.device("cpu"))
+    model = load_policy_model(ModelSettings.from_config(config), tokenizer, torch.device("cpu"))
     try:
         _, unexpected = model.load_state_dict(payload["model"], strict=False)
     except RuntimeError as err:  # a shape mismatch: model.name changed since the run

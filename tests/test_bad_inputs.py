@@ -28,6 +28,7 @@ from grpo.tasks.ifeval import load_ifeval_rows
 from grpo.tasks.prompt_checks import check_prompt_lengths
 from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_policy_model, load_tokenizer
+from grpo.training.settings import ModelSettings
 
 # A run small enough to build in-process in seconds (the resume and length checks run while it is built)
 SMALL = [f"model.name={TINY_MODEL}", f"env.dataset={TINY_DATA}", "eval.num_problems=8", "eval.batch_size=8",
@@ -414,8 +415,8 @@ def test_the_length_check_counts_prompts_as_the_policy_sees_them(config_name, mo
     tokenizer = load_tokenizer(cfg.model.name)
     settings = TaskSettings.from_config(cfg)
     env = make_env(settings, tokenizer, split=settings.train_split, repeats=1, num_envs=1)
-    sampler = ReplySampler(load_policy_model(cfg, tokenizer, torch.device("cpu")), compile=False, cache_bucket=64,
-                           compact_rows=True)
+    policy_model = load_policy_model(ModelSettings.from_config(cfg), tokenizer, torch.device("cpu"))
+    sampler = ReplySampler(policy_model, compile=False, cache_bucket=64, compact_rows=True)
     policy = make_transformers_policy(sampler, tokenizer, gen_kwargs={
         "max_new_tokens": 1, "do_sample": False, "eos_token_id": [tokenizer.eos_token_id],
         "pad_token_id": tokenizer.pad_token_id})

@@ -16,6 +16,7 @@ from grpo.training.logprobs import token_log_probs
 from grpo.training.models import load_causal_lm, load_policy_model, load_tokenizer, stop_token_ids
 from grpo.training.models import train_mode_if
 from grpo.training.replies import Replies
+from grpo.training.settings import ModelSettings
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_generation_with_gradient_checkpointing_on_matches_generation_without(ti
                                     f"train_model.gradient_checkpointing={checkpointing}"])
         resolve_local_paths(cfg)
         tok = load_tokenizer(cfg.model.name)
-        model = load_policy_model(cfg, tok, torch.device("cpu"))
+        model = load_policy_model(ModelSettings.from_config(cfg), tok, torch.device("cpu"))
         inference = TransformersInference(EngineSettings.from_config(cfg), model, tok, torch.device("cpu"),
                                           stop_token_ids(tok, model.generation_config))
         assert inference.model is model

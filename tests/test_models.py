@@ -6,6 +6,7 @@ import torch
 from conftest import compose
 from grpo.training.models import (configure_attention_kernels, configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
+from grpo.training.settings import ModelSettings
 
 
 def test_cudnn_attention_is_off():
@@ -47,8 +48,9 @@ def test_stop_ids_cover_tokenizer_and_model_eos():
 def test_reference_starts_as_the_policy_and_stays_frozen(tiny_model_dir):
     cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}"])
     tok = load_tokenizer(cfg.model.name)
-    policy = load_policy_model(cfg, tok, torch.device("cpu"))
-    ref = load_reference_model(cfg, tok, torch.device("cpu"))
+    models = ModelSettings.from_config(cfg)
+    policy = load_policy_model(models, tok, torch.device("cpu"))
+    ref = load_reference_model(models, tok, torch.device("cpu"))
     assert not policy.training and not ref.training  # no dropout: pi / pi_old is 1 before any update
     assert any(p.requires_grad for p in policy.parameters()) and not any(p.requires_grad for p in ref.parameters())
     policy_weights = policy.state_dict()
@@ -62,7 +64,7 @@ def test_activation_checkpointing_leaves_no_grad_calls_untouched_and_still_train
     cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", "train_model.gradient_checkpointing=true",
                                 f"train_model.lora.enabled={lora}"])
     tok = load_tokenizer(cfg.model.name)
-    policy = load_policy_model(cfg, tok, torch.device("cpu"))
+    policy = load_policy_model(ModelSettings.from_config(cfg), tok, torch.device("cpu"))
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert not policy.get_input_embeddings()(ids).requires_grad
@@ -82,7 +84,7 @@ def test_a_checkpoint_fraction_recomputes_that_share_of_the_layers_and_trains_th
     for share in (1.0, fraction):
         cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", "train_model.gradient_checkpointing=true",
                                     f"train_model.checkpoint_fraction={share}"])
-        policy = load_policy_model(cfg, load_tokenizer(cfg.model.name), torch.device("cpu"))
+        policy = load_policy_model(ModelSettings.from_config(cfg), load_tokenizer(cfg.model.name), torch.device("cpu"))
         layers = policy.model.layers
         calls = [0] * len(layers)
         for index, layer in enumerate(layers):

@@ -8,6 +8,8 @@ with eos: the case that once filled replies with runs of eos counted as reply to
 1241 at step 1 on a GPU). Here a handful of replies go through the same code the scripts run.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from grpo.tasks.settings import TaskSettings
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
+from grpo.training.settings import ModelSettings, OptimizerSettings
 from grpo.training.step import GRPOSettings, GRPOStep
 from grpo.training.trainer import make_optimizer, make_scheduler
 
@@ -42,8 +45,9 @@ def real_step(request, one_real_model_at_a_time):
     cpu = torch.device("cpu")
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.name)
-    policy = load_policy_model(cfg, tok, cpu)
-    ref = load_reference_model(cfg, tok, cpu)
+    models = ModelSettings.from_config(cfg)
+    policy = load_policy_model(models, tok, cpu)
+    ref = load_reference_model(models, tok, cpu)
     stop_ids = stop_token_ids(tok, policy.generation_config)
     inference = TransformersInference(EngineSettings.from_config(cfg), policy, tok, cpu, stop_ids)
     env = make_env(TaskSettings.from_config(cfg), tok, split=cfg.env.train_split, repeats=cfg.env.repeats,
@@ -51,9 +55,10 @@ def real_step(request, one_real_model_at_a_time):
     rollouts = Replies.from_collector(next(iter(make_collector(env, inference.policy,
                                                                cfg.train.dialog_turns_per_batch))))
     before = {n: p.detach().clone() for n, p in policy.named_parameters()}
-    optimizer = make_optimizer(cfg, policy)
+    optim = dataclasses.replace(OptimizerSettings.from_config(cfg), total_optim_steps=1)
+    optimizer = make_optimizer(optim, policy)
     step = GRPOStep(GRPOSettings.from_config(cfg), policy=ReplyLogProbs(policy), optimizer=optimizer,
-                    scheduler=make_scheduler(cfg, optimizer, 1), ref_model=ref, pad_token_id=tok.pad_token_id)
+                    scheduler=make_scheduler(optim, optimizer), ref_model=ref, pad_token_id=tok.pad_token_id)
     batch, stats = step.prepare(rollouts)
     stats |= step.optimize(batch)
     return tok, rollouts, batch, stats, before, policy

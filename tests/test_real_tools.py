@@ -3,6 +3,8 @@ own tool-call format (the chat template's tools block, <tool_call> JSON, </tool_
 sandbox's output as a tool turn, and sampler and trainer agreeing on the episode's sampled tokens before any
 update."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.training.logprobs import ReplyLogProbs, score_replies
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
+from grpo.training.settings import ModelSettings, OptimizerSettings
 from grpo.training.step import GRPOSettings, GRPOStep, k3, loss_mask
 from grpo.training.trainer import make_optimizer, make_scheduler
 
@@ -34,16 +37,18 @@ def real_tool_step(real_qwen_dir, one_real_model_at_a_time):
     cpu = torch.device("cpu")
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.name)
-    policy, ref = load_policy_model(cfg, tok, cpu), load_reference_model(cfg, tok, cpu)
+    models = ModelSettings.from_config(cfg)
+    policy, ref = load_policy_model(models, tok, cpu), load_reference_model(models, tok, cpu)
     task = TaskSettings.from_config(cfg)
     inference = TransformersInference(EngineSettings.from_config(cfg), policy, tok, cpu,
                                       turn_stop_ids(task, tok, stop_token_ids(tok, policy.generation_config)))
     inference.turn_env = make_turn_env(task, tok)
     env = make_env(task, tok, split=task.train_split, repeats=cfg.env.repeats, num_envs=cfg.env.num_envs)
     rollouts = Replies.from_collector(next(iter(make_collector(env, inference.policy, cfg.train.dialog_turns_per_batch))))
-    optimizer = make_optimizer(cfg, policy)
+    optim = dataclasses.replace(OptimizerSettings.from_config(cfg), total_optim_steps=1)
+    optimizer = make_optimizer(optim, policy)
     step = GRPOStep(GRPOSettings.from_config(cfg), policy=ReplyLogProbs(policy), optimizer=optimizer,
-                    scheduler=make_scheduler(cfg, optimizer, 1), ref_model=ref, pad_token_id=tok.pad_token_id)
+                    scheduler=make_scheduler(optim, optimizer), ref_model=ref, pad_token_id=tok.pad_token_id)
     batch, stats = step.prepare(rollouts)
     # The trainer's log-probs of the episodes before any update, and their k3 KL to the sampler's over the loss's
     # tokens: the ``mismatch/kl`` the step's first minibatch logs (grpo_terms' kl_to_inference), scored without the

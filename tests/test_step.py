@@ -24,6 +24,7 @@ from grpo.training.batch import micro_batches, to_training_batch, trim_padding
 from grpo.training.logprobs import ReplyLogProbs, micro_on_device, score_replies
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids, torch_dtype
 from grpo.training.replies import Replies
+from grpo.training.settings import ModelSettings, OptimizerSettings
 from grpo.training.step import GRPOSettings, GRPOStep, LossTotals, grpo_terms, per_sample_kl_to_ref, weighted_loss
 from grpo.training.trainer import make_optimizer, make_scheduler
 
@@ -36,7 +37,7 @@ def setup(tiny_model_dir, tiny_data_dir):
                                 "inference_model.max_new_tokens=24"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
-    model = load_policy_model(cfg, tok, torch.device("cpu"))
+    model = load_policy_model(ModelSettings.from_config(cfg), tok, torch.device("cpu"))
     env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
     stop_ids = stop_token_ids(tok, model.generation_config)
     settings = EngineSettings.from_config(cfg)
@@ -251,11 +252,17 @@ def test_kl_in_reward_lowers_reward_by_coeff_times_kl():
     assert kl[1] == pytest.approx(k3([-0.5], [-0.1]), abs=1e-6)
 
 
+def optimizer_settings(cfg) -> OptimizerSettings:
+    """The config's optimiser, its schedule 100 optimiser steps long."""
+    return dataclasses.replace(OptimizerSettings.from_config(cfg), total_optim_steps=100)
+
+
 def make_step(cfg, model, ref_model=None, **settings) -> GRPOStep:
-    optimizer = make_optimizer(cfg, model)
+    optim = optimizer_settings(cfg)
+    optimizer = make_optimizer(optim, model)
     settings = dataclasses.replace(GRPOSettings.from_config(cfg), **settings)
     return GRPOStep(settings, policy=ReplyLogProbs(model, packed=settings.packed_sequences),
-                    optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100), ref_model=ref_model,
+                    optimizer=optimizer, scheduler=make_scheduler(optim, optimizer), ref_model=ref_model,
                     pad_token_id=0)
 
 
@@ -432,8 +439,9 @@ def test_under_autocast_the_log_probs_scored_before_the_update_are_those_the_los
         settings = dataclasses.replace(GRPOSettings.from_config(cfg), importance_sampling="token_truncate",
                                        micro_batch_size=3)
         policy = ReplyLogProbs(model, packed=settings.packed_sequences, autocast_dtype=torch.bfloat16)
-        optimizer = make_optimizer(cfg, model)
-        step = GRPOStep(settings, policy=policy, optimizer=optimizer, scheduler=make_scheduler(cfg, optimizer, 100),
+        optim = optimizer_settings(cfg)
+        optimizer = make_optimizer(optim, model)
+        step = GRPOStep(settings, policy=policy, optimizer=optimizer, scheduler=make_scheduler(optim, optimizer),
                         pad_token_id=tok.pad_token_id)
         batch, _ = step.prepare(Replies.from_collector(rollouts))
         terms = grpo_terms(policy, batch, settings)
@@ -508,7 +516,7 @@ def test_default_master_weights_apply_updates_of_the_default_learning_rate():
         model = torch.nn.Linear(256, 256, bias=False).to(dtype)
         torch.nn.init.normal_(model.weight, std=0.02)
         before = model.weight.detach().clone()
-        optimizer = make_optimizer(cfg, model)
+        optimizer = make_optimizer(OptimizerSettings.from_config(cfg), model)
         for _ in range(4):
             model.weight.grad = torch.randn_like(model.weight)
             optimizer.step()

@@ -1,5 +1,6 @@
 """grpo/training/trainer.py: the learning-rate schedule, and what the trainer counts around an update."""
 
+import dataclasses
 import math
 
 import pytest
@@ -13,15 +14,17 @@ from grpo.tasks.envs import make_collector, make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
-from grpo.training.trainer import Trainer, make_optimizer, make_scheduler
+from grpo.training.settings import ModelSettings, OptimizerSettings
+from grpo.training.trainer import Trainer, TrainerSettings, make_optimizer, make_scheduler
 
 
 def lrs(schedule: str, steps: int, total: int) -> list[float]:
     cfg = compose("grpo_tiny", [f"optimizer.schedule={schedule}", "optimizer.lr=1.0", "optimizer.warmup_steps=4",
                                 "optimizer.min_lr_ratio=0.1"])
     model = torch.nn.Linear(2, 2)
-    optimizer = make_optimizer(cfg, model)
-    scheduler = make_scheduler(cfg, optimizer, total)
+    settings = dataclasses.replace(OptimizerSettings.from_config(cfg), total_optim_steps=total)
+    optimizer = make_optimizer(settings, model)
+    scheduler = make_scheduler(settings, optimizer)
     seen = []
     for _ in range(steps):
         seen.append(scheduler.get_last_lr()[0])
@@ -61,8 +64,8 @@ class StandInStep:
 def test_the_trainer_counts_versions_and_knows_a_half_done_update(tiny_model_dir):
     cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}"])
     tok = load_tokenizer(cfg.model.name)
-    model = load_policy_model(cfg, tok, torch.device("cpu"))
-    trainer = Trainer(cfg, model, None, pad_token_id=tok.pad_token_id)
+    model = load_policy_model(ModelSettings.from_config(cfg), tok, torch.device("cpu"))
+    trainer = Trainer(TrainerSettings.from_config(cfg), model, None, pad_token_id=tok.pad_token_id)
     trainer.grpo_step = StandInStep(trainer.optimizer)
     assert trainer.update("ok", step=1) == {"optim_steps": 2, "policy_version": 2}
     assert (trainer.policy_version, trainer.completed_step, trainer.half_updated) == (2, 1, False)
@@ -88,14 +91,14 @@ def test_the_trainer_scores_the_tempered_policy_the_engine_sampled_from(tiny_mod
                                 f"inference_model.backend={backend}"])
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
-    model, ref = (load_policy_model(cfg, tok, torch.device("cpu")) for _ in range(2))
+    model, ref = (load_policy_model(ModelSettings.from_config(cfg), tok, torch.device("cpu")) for _ in range(2))
     stop_ids = stop_token_ids(tok, model.generation_config)
     engine = make_inference(EngineSettings.from_config(cfg), model, tok, torch.device("cpu"), stop_ids)
     try:
         env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=8)
         collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch)
         rollouts = Replies.from_collector(next(iter(collector)))
-        trainer = Trainer(cfg, model, ref, pad_token_id=tok.pad_token_id)
+        trainer = Trainer(TrainerSettings.from_config(cfg), model, ref, pad_token_id=tok.pad_token_id)
         metrics = trainer.update(rollouts, step=1)
     finally:
         engine.shutdown()

@@ -21,6 +21,7 @@ from grpo.tasks.envs import load_splits, make_env
 from grpo.tasks.prompt_checks import check_prompt_lengths
 from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_policy_model, load_tokenizer
+from grpo.training.settings import ModelSettings
 
 EXAMPLE = REPO / "examples" / "my_task"
 ROWS = [{"prompt": "What is 2 + 3?", "answer": 5, "level": 1},
@@ -117,8 +118,8 @@ def test_the_length_check_counts_generic_prompts_as_the_policy_sees_them(system_
     cfg = compose("grpo_tiny", overrides)
     settings = TaskSettings.from_config(cfg)
     env = make_env(settings, tiny_tok, split="train", repeats=1, num_envs=1)
-    sampler = ReplySampler(load_policy_model(cfg, tiny_tok, torch.device("cpu")), compile=False, cache_bucket=64,
-                           compact_rows=True)
+    policy_model = load_policy_model(ModelSettings.from_config(cfg), tiny_tok, torch.device("cpu"))
+    sampler = ReplySampler(policy_model, compile=False, cache_bucket=64, compact_rows=True)
     policy = make_transformers_policy(sampler, tiny_tok, gen_kwargs={
         "max_new_tokens": 1, "do_sample": False, "eos_token_id": [tiny_tok.eos_token_id],
         "pad_token_id": tiny_tok.pad_token_id})

@@ -22,7 +22,8 @@ from grpo.training.batch import micro_batch_rows
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint
 from grpo.training.models import load_policy_model, load_reference_model, load_tokenizer, stop_token_ids
 from grpo.training.replies import Replies
-from grpo.training.trainer import Trainer
+from grpo.training.settings import ModelSettings
+from grpo.training.trainer import Trainer, TrainerSettings
 from test_step import setup  # noqa: F401 - a fixture: rollouts of the tiny model, 2 groups of 4
 
 OVERRIDES = ["env.repeats=4", "env.num_envs=8", "train.dialog_turns_per_batch=8", "inference_model.max_new_tokens=24",
@@ -41,8 +42,9 @@ def rank_trainer(rank: int, size: int, port: int, model_dir: str, data_dir: str,
     resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     cpu = torch.device("cpu")
-    policy, ref = load_policy_model(cfg, tok, cpu), load_reference_model(cfg, tok, cpu)
-    return world, Trainer(cfg, policy, ref, pad_token_id=tok.pad_token_id, world=world)
+    models = ModelSettings.from_config(cfg)
+    policy, ref = load_policy_model(models, tok, cpu), load_reference_model(models, tok, cpu)
+    return world, Trainer(TrainerSettings.from_config(cfg), policy, ref, pad_token_id=tok.pad_token_id, world=world)
 
 
 def whole_weights(trainer: Trainer) -> dict:
@@ -226,7 +228,8 @@ def test_two_ranks_train_as_one(setup, world_runs, two_ranks_with):  # noqa: F81
 
 def load_initial_weights(cfg) -> dict:
     tok = load_tokenizer(cfg.model.name)
-    return {n: p.detach() for n, p in load_policy_model(cfg, tok, torch.device("cpu")).named_parameters()}
+    policy = load_policy_model(ModelSettings.from_config(cfg), tok, torch.device("cpu"))
+    return {n: p.detach() for n, p in policy.named_parameters()}
 
 
 @pytest.mark.parametrize("saved_by, resumed_by", [(2, 1), (1, 2)])

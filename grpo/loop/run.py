@@ -49,7 +49,8 @@ from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
 from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
                                   load_tokenizer, stop_token_ids)
-from grpo.training.trainer import Trainer
+from grpo.training.settings import ModelSettings
+from grpo.training.trainer import Trainer, TrainerSettings
 
 
 @dataclass
@@ -211,9 +212,10 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
     gpu = devices.current_gpu(world.rank, world.size)
     if gpu is not None:  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator is made there
         torch.cuda.set_device(gpu)
-    policy_model = load_policy_model(cfg, tokenizer, own.torch_device("train"))
-    ref_model = load_reference_model(cfg, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
-    trainer = Trainer(cfg, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, world=world)
+    models, settings = ModelSettings.from_config(cfg), TrainerSettings.from_config(cfg)
+    policy_model = load_policy_model(models, tokenizer, own.torch_device("train"))
+    ref_model = load_reference_model(models, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
+    trainer = Trainer(settings, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, world=world)
     world.lead("start", cfg, devices)
     return trainer
 

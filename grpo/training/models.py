@@ -16,6 +16,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from grpo.process.errors import ModelLoadError
 from grpo.process.world import full, is_sharded
 from grpo.training.attention import use_project_attention
+from grpo.training.settings import ModelSettings
 from grpo.tasks.data import looks_local
 
 
@@ -104,7 +105,7 @@ def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.de
     return model.to(device)
 
 
-def load_policy_model(cfg, tokenizer, device: torch.device):
+def load_policy_model(settings: ModelSettings, tokenizer, device: torch.device):
     """The trained model: full weights or LoRA adapters, optionally with gradient checkpointing.
 
     It stays in eval mode (no dropout: the ratio pi_theta / pi_old must be 1 before any update);
@@ -112,17 +113,16 @@ def load_policy_model(cfg, tokenizer, device: torch.device):
     HF checkpoints activations only in train mode and, in train mode, ``generate`` drops its KV
     cache (a one-GPU run generates with this very object: it crashed, on CPU it produced garbage).
     """
-    model = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.train_model.dtype, device), device=device)
-    if cfg.train_model.lora.enabled:
+    model = load_causal_lm(settings.name, tokenizer, dtype=torch_dtype(settings.policy_dtype, device), device=device)
+    if settings.lora:
         from peft import LoraConfig, get_peft_model
 
-        lora = cfg.train_model.lora
         model = get_peft_model(model, LoraConfig(
-            r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+            r=settings.lora_r, lora_alpha=settings.lora_alpha, lora_dropout=settings.lora_dropout,
+            target_modules=list(settings.lora_target_modules), task_type="CAUSAL_LM",
         ))
-    if cfg.train_model.gradient_checkpointing:
-        enable_activation_checkpointing(model, cfg.train_model.checkpoint_fraction)
+    if settings.gradient_checkpointing:
+        enable_activation_checkpointing(model, settings.checkpoint_fraction)
     return model.eval()
 
 
@@ -174,13 +174,13 @@ def compile_decoder_layers(model, compile_fn=compiled_with_grad) -> None:
             layer.forward = compile_fn(layer.forward)
 
 
-def load_reference_model(cfg, tokenizer, device: torch.device):
+def load_reference_model(settings: ModelSettings, tokenizer, device: torch.device):
     """The starting policy, frozen: loaded from ``model.name`` again (also the base of LoRA runs).
 
     Loading rather than copying the policy keeps it the *initial* model on resume, and works
     when the policy is sharded over ranks.
     """
-    ref = load_causal_lm(cfg.model.name, tokenizer, dtype=torch_dtype(cfg.ref_model.dtype, device), device=device)
+    ref = load_causal_lm(settings.name, tokenizer, dtype=torch_dtype(settings.reference_dtype, device), device=device)
     return ref.eval().requires_grad_(False)
 
 

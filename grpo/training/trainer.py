@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -14,7 +15,24 @@ from grpo.process.world import World, is_sharded
 from grpo.training import checkpoint as ckpt
 from grpo.training.logprobs import ReplyLogProbs
 from grpo.training.models import inference_state_dict, mixed_precision_dtype
+from grpo.training.settings import OptimizerSettings
 from grpo.training.step import GRPOSettings, GRPOStep
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """What the trainer reads of the config, once: the GRPO step's, the optimiser's, and how the policy is sharded."""
+    grpo: GRPOSettings
+    optimizer: OptimizerSettings
+    reshard_after_forward: bool     # FSDP2: free gathered weights after forward
+    gather_dtype: str | None        # FSDP2 with mixed precision: weights gathered in this dtype; None: their own
+    score_reference_early: bool     # sync, one rank: the reference scores each batch as the engine samples it
+
+    @classmethod
+    def from_config(cls, cfg) -> TrainerSettings:
+        return cls(grpo=GRPOSettings.from_config(cfg), optimizer=OptimizerSettings.from_config(cfg),
+                   reshard_after_forward=cfg.train_model.reshard_after_forward,
+                   gather_dtype=cfg.train_model.gather_dtype, score_reference_early=cfg.ref_model.score_early)
 
 
 class Trainer:
@@ -29,23 +47,23 @@ class Trainer:
     run it when told (``follow``).
     """
 
-    def __init__(self, cfg, policy_model, ref_model, *, pad_token_id: int, world: World = World()):
+    def __init__(self, settings: TrainerSettings, policy_model, ref_model, *, pad_token_id: int,
+                 world: World = World()):
         self.policy_model, self.world = policy_model, world
-        settings = GRPOSettings.from_config(cfg)
+        grpo = settings.grpo
         # CPU: always float32; mixed_precision=false: float32 compute asked for
-        gather_dtype = cfg.train_model.gather_dtype if torch.cuda.is_available() and settings.mixed_precision else None
+        gather_dtype = settings.gather_dtype if torch.cuda.is_available() and grpo.mixed_precision else None
         # before the optimiser: it holds the shards
-        scorer = world.shard(ReplyLogProbs(policy_model, settings.temperature, settings.packed_sequences,
-                                           mixed_precision_dtype(settings.mixed_precision, policy_model)),
-                             reshard_after_forward=cfg.train_model.reshard_after_forward,
+        scorer = world.shard(ReplyLogProbs(policy_model, grpo.temperature, grpo.packed_sequences,
+                                           mixed_precision_dtype(grpo.mixed_precision, policy_model)),
+                             reshard_after_forward=settings.reshard_after_forward,
                              gather_dtype=getattr(torch, gather_dtype) if gather_dtype else None)
-        self.optimizer = make_optimizer(cfg, policy_model)
-        self.scheduler = make_scheduler(cfg, self.optimizer, cfg.train.total_steps * cfg.train.epochs
-                                        * cfg.train.dialog_turns_per_batch // cfg.train.optim_batch_size)
-        self.grpo_step = GRPOStep(settings, policy=scorer, optimizer=self.optimizer,
+        self.optimizer = make_optimizer(settings.optimizer, policy_model)
+        self.scheduler = make_scheduler(settings.optimizer, self.optimizer)
+        self.grpo_step = GRPOStep(grpo, policy=scorer, optimizer=self.optimizer,
                                   scheduler=self.scheduler, ref_model=ref_model, pad_token_id=pad_token_id,
                                   world=world)
-        self.score_reference_early = cfg.ref_model.score_early
+        self.score_reference_early = settings.score_reference_early
         self.policy_version = 0
         self.completed_step, self.completed_rng, self.half_updated = 0, None, False
         # an optimiser step marks the weights half updated until ``update`` returns (restoring takes no step)
@@ -124,25 +142,24 @@ class Trainer:
         return sum(p.numel() * p.element_size() for p in self.policy_model.parameters() if p.requires_grad)
 
 
-def make_optimizer(cfg, model) -> torch.optim.Optimizer:
+def make_optimizer(settings: OptimizerSettings, model) -> torch.optim.Optimizer:
     """AdamW, fused on a GPU: one kernel over every weight, 16.7 ms a step at the 1.5B shape on an H100 against
     41.8 ms for torch's default there, foreach (``benchmarks/bench_optimizer.py``); the CPU keeps torch's default."""
-    o = cfg.optimizer
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
-                             fused=params[0].is_cuda or None)
+    return torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay, betas=tuple(settings.betas),
+                             eps=settings.eps, fused=params[0].is_cuda or None)
 
 
-def make_scheduler(cfg, optimizer, total_optim_steps: int):
-    """Linear warm-up then constant or cosine decay to ``optimizer.min_lr_ratio`` of the peak."""
-    o = cfg.optimizer
+def make_scheduler(settings: OptimizerSettings, optimizer):
+    """Linear warm-up then constant or cosine decay to ``min_lr_ratio`` of the peak at ``total_optim_steps``."""
+    warmup, floor = settings.warmup_steps, settings.min_lr_ratio
 
     def factor(step: int) -> float:
-        if step < o.warmup_steps:
-            return (step + 1) / o.warmup_steps
-        if o.schedule == "constant":
+        if step < warmup:
+            return (step + 1) / warmup
+        if settings.schedule == "constant":
             return 1.0
-        progress = min(1.0, (step - o.warmup_steps) / max(1, total_optim_steps - o.warmup_steps))
-        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        progress = min(1.0, (step - warmup) / max(1, settings.total_optim_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
