@@ -14,10 +14,14 @@ NEEDS_TRITON = ({"grpo.training.filled_slots_kernel", "grpo.inference.sampling_k
                 if importlib.util.find_spec("triton") is None else set())
 
 
+# sized by the idea a module holds, not cut to a line count (issue 69): past this it likely holds two
+MAX_LINES = 400
+
+
 def test_every_module_reads_in_one_sitting():
     long = {str(p.relative_to(REPO)): n for p in MODULES if p.name not in LONG_TABLES
-            and (n := len(p.read_text().splitlines())) > 350}
-    assert not long, f"modules over 350 lines: {long}"
+            and (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
 def test_every_module_imports_alone_first():

@@ -47,8 +47,8 @@ from grpo.tasks.envs import load_splits, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids
-from grpo.training.models import (configure_torch, load_policy_model, load_reference_model,
-                                  load_tokenizer, stop_token_ids)
+from grpo.training.models import (configure_torch, load_policy_model, load_reference_model, load_tokenizer,
+                                  stop_token_ids)
 from grpo.training.settings import ModelSettings
 from grpo.training.trainer import Trainer, TrainerSettings
 
@@ -165,7 +165,6 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
         print(f"train.total_steps=0: evaluating {last_checkpoint[1] if payload else cfg.model.name} only, "
               f"into {run_dir}", flush=True)
     config_record = resolved_config(cfg) | {"device_allocation": devices.as_dict()}
-
     tokenizer = load_tokenizer(cfg.model.name)
     check_prompt_lengths(task, tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
     check_prompt_text(task, tokenizer, splits)
@@ -178,7 +177,6 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
     engine.turn_env = make_turn_env(task, tokenizer)  # what answers between turns (None: one turn an episode)
     trainer.take_samples_from(engine)  # ref_model.score_early: the reference scores replies as they are sampled
-    num_eval_problems = min(cfg.eval.num_problems, len(splits[cfg.env.test_split]))
     record_settings = RecordSettings.from_config(cfg)  # what the logger, trackers, checkpoints and disk checks read
     if not eval_only:  # a disk that cannot hold the run's checkpoints would lose every step since the last one
         check_room_at_start(record_settings, run_dir, payload["step"] if payload else 0, trainer.trainable_bytes())
@@ -188,8 +186,8 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     logger.log({"step": payload["step"] if payload else 0, "event": event,
                 **{f"devices/{k}": str(v) for k, v in devices.as_dict().items()}})
     counters = payload["counters"] if payload else {"step": 0, "last_eval_step": None}
-    evaluator = Evaluator(cfg, task, tokenizer, engine, num_problems=num_eval_problems,
-                          fields=task_of(task).eval_fields,
+    evaluator = Evaluator(cfg, task, tokenizer, engine, fields=task_of(task).eval_fields,
+                          num_problems=min(cfg.eval.num_problems, len(splits[cfg.env.test_split])),
                           last_eval_step=None if eval_only else counters["last_eval_step"])
     if payload:  # eval only: the checkpoint is evaluated here
         trainer.restore(payload, last_checkpoint[1])  # RNG states last of all
@@ -200,8 +198,8 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     room = None if eval_only else HeldRoom(run_dir, checkpoint_bytes(trainer.trainable_bytes()))
     records = RunRecords(record_settings, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)
     return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, task=task, stop_ids=stop_ids, trainer=trainer,
-               engine=engine, evaluator=evaluator, records=records,
-               stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only, step=counters["step"])
+               engine=engine, evaluator=evaluator, records=records, stop_flag=stop_flag, claim=claim,
+               resume_payload=payload, eval_only=eval_only, step=counters["step"])
 
 
 def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Trainer:
@@ -209,9 +207,8 @@ def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Tra
     the other ranks build the same (``follow_run``)."""
     configure_torch(on_gpu=not devices.cpu)
     own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
-    gpu = devices.current_gpu(world.rank, world.size)
-    if gpu is not None:  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator is made there
-        torch.cuda.set_device(gpu)
+    if (gpu := devices.current_gpu(world.rank, world.size)) is not None:
+        torch.cuda.set_device(gpu)  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator too
     models, settings = ModelSettings.from_config(cfg), TrainerSettings.from_config(cfg)
     policy_model = load_policy_model(models, tokenizer, own.torch_device("train"))
     ref_model = load_reference_model(models, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
@@ -295,8 +292,7 @@ def guard(run: Run, source):
     checkpoint, then exit non-zero. Either way the run ends with its summary. On any other exception:
     an emergency checkpoint of the last finished step if the weights are whole, then the exception goes on.
     ``source``: the rollout source whose state the checkpoints keep."""
-    records, trainer = run.records, run.trainer
-    exit_code, ended = 1, None
+    records, trainer, exit_code, ended = run.records, run.trainer, 1, None
     try:
         yield
         run.evaluate_if_due()

@@ -29,7 +29,8 @@ class ModelSettings:
         return cls(name=cfg.model.name, policy_dtype=train.dtype, reference_dtype=cfg.ref_model.dtype,
                    lora=lora.enabled, lora_r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                    lora_target_modules=lora.target_modules, gradient_checkpointing=train.gradient_checkpointing,
-                   checkpoint_fraction=train.checkpoint_fraction)
+                   # a checkpoint's config from before the key (2026-11-26) still exports: all layers recomputed then
+                   checkpoint_fraction=train.get("checkpoint_fraction", 1.0))
 
 
 @dataclass(frozen=True)
