@@ -25,7 +25,7 @@ def settings(mode, variant) -> GRPOSettings:
         aggregation="token_mean", loss_variant=variant, max_new_tokens=MAX_NEW, temperature=1.0,
         importance_sampling=mode, is_low=LOW, is_high=HIGH, epochs=1, optim_batch_size=4, micro_batch_size=4,
         micro_batch_tokens=None, packed_sequences=False, ref_micro_batch_tokens=None, clip_grad_norm=1.0,
-        mixed_precision=False, gradient_checkpointing=False, compile=False, on_nonfinite="stop")
+        gradient_checkpointing=False, compile=False, on_nonfinite="stop")
 
 
 def small_batch():

@@ -71,7 +71,6 @@ class GRPOSettings:
     packed_sequences: bool            # the model reads each micro-batch's real tokens end to end, no pads
     ref_micro_batch_tokens: int | None  # the reference's cut, by tokens alone (it keeps no activations); None: training's
     clip_grad_norm: float
-    mixed_precision: bool             # bf16 autocast for float32 weights on a GPU
     gradient_checkpointing: bool      # needs train mode while optimising
     compile: bool                     # torch.compile the decoder layers and the head's log-probs for training
     on_nonfinite: str                 # a NaN/inf gradient: stop before the optimiser step, or skip that step
@@ -91,7 +90,7 @@ class GRPOSettings:
             epochs=t.epochs, optim_batch_size=t.optim_batch_size,
             micro_batch_size=t.optim_batch_size // t.gradient_accumulation_steps,
             micro_batch_tokens=t.micro_batch_tokens, packed_sequences=t.packed_sequences,
-            clip_grad_norm=cfg.optimizer.clip_grad_norm, mixed_precision=cfg.train_model.mixed_precision,
+            clip_grad_norm=cfg.optimizer.clip_grad_norm,
             gradient_checkpointing=cfg.train_model.gradient_checkpointing, compile=cfg.train_model.compile,
             on_nonfinite=t.on_nonfinite)
 

@@ -24,15 +24,17 @@ class TrainerSettings:
     """What the trainer reads of the config, once: the GRPO step's, the optimiser's, and how the policy is sharded."""
     grpo: GRPOSettings
     optimizer: OptimizerSettings
+    mixed_precision: bool           # bf16 autocast for float32 weights on a GPU (the policy's every pass)
     reshard_after_forward: bool     # FSDP2: free gathered weights after forward
     gather_dtype: str | None        # FSDP2 with mixed precision: weights gathered in this dtype; None: their own
     score_reference_early: bool     # sync, one rank: the reference scores each batch as the engine samples it
 
     @classmethod
     def from_config(cls, cfg) -> TrainerSettings:
+        train = cfg.train_model
         return cls(grpo=GRPOSettings.from_config(cfg), optimizer=OptimizerSettings.from_config(cfg),
-                   reshard_after_forward=cfg.train_model.reshard_after_forward,
-                   gather_dtype=cfg.train_model.gather_dtype, score_reference_early=cfg.ref_model.score_early)
+                   mixed_precision=train.mixed_precision, reshard_after_forward=train.reshard_after_forward,
+                   gather_dtype=train.gather_dtype, score_reference_early=cfg.ref_model.score_early)
 
 
 class Trainer:
@@ -52,10 +54,10 @@ class Trainer:
         self.policy_model, self.world = policy_model, world
         grpo = settings.grpo
         # CPU: always float32; mixed_precision=false: float32 compute asked for
-        gather_dtype = settings.gather_dtype if torch.cuda.is_available() and grpo.mixed_precision else None
+        gather_dtype = settings.gather_dtype if torch.cuda.is_available() and settings.mixed_precision else None
         # before the optimiser: it holds the shards
         scorer = world.shard(ReplyLogProbs(policy_model, grpo.temperature, grpo.packed_sequences,
-                                           mixed_precision_dtype(grpo.mixed_precision, policy_model)),
+                                           mixed_precision_dtype(settings.mixed_precision, policy_model)),
                              reshard_after_forward=settings.reshard_after_forward,
                              gather_dtype=getattr(torch, gather_dtype) if gather_dtype else None)
         self.optimizer = make_optimizer(settings.optimizer, policy_model)
