@@ -8,6 +8,7 @@ import time
 
 import pytest
 import ray
+import torch
 from omegaconf import OmegaConf
 
 from conftest import ray_cluster_here
@@ -15,7 +16,7 @@ from grpo.process.allocation import DeviceAllocation
 from grpo.process.devices import allocate_devices
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.ray_placement import MEMORY_MONITOR, SAME_GPU_IDS, TRAINER_GPU, assigned_gpu, driver_gpu, \
-    gpu_share, local_gpu, local_ray_resources, ray_session, worker_gpu
+    gpu_share, local_gpu, local_ray_resources, ray_session, see_only, worker_gpu
 from grpo.process.setup import ray_pythonpath
 
 
@@ -93,6 +94,17 @@ def test_worker_gpu_names_ray_s_gpu_as_the_allocation_does(ray_ids, visible, poo
 def test_a_worker_given_two_gpus_is_a_bug_said_so():
     with pytest.raises(RuntimeError, match=r"assigned GPUs \['4', '5'\]: it asks for one"):
         worker_gpu(["4", "5"], "4,5,6,7", None)
+
+
+@pytest.mark.parametrize("visible,device,seen", [("4,5,6,7", 3, "7"), (None, 1, "1"), ("2", 0, "2")])
+def test_a_vllm_worker_sees_only_its_own_gpu_as_cuda_0(monkeypatch, visible, device, seen):
+    """In-process vLLM runs on cuda:0 of what its process sees, so its worker's logical cuda:<device> becomes that."""
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert str(see_only(torch.device("cuda", device))) == "cuda:0"
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == seen
 
 
 @ray.remote

@@ -116,6 +116,17 @@ def assigned_gpu(pool: list[int] | None) -> torch.device:
     return torch.device("cuda", worker_gpu(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"), pool))
 
 
+def see_only(device: torch.device) -> torch.device:
+    """In a rollout worker, before its first CUDA call: ``device`` made the only GPU the process sees, as cuda:0.
+    In-process vLLM always runs on cuda:0 of what its process sees (its one worker takes local rank 0), and the
+    workers otherwise see every GPU (``SAME_GPU_IDS``): on 2xH200 a worker on cuda:1 could not start its engine."""
+    if torch.cuda.is_initialized():
+        raise RuntimeError("see_only must run before the process's first CUDA call")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[device.index] if visible else str(device.index)
+    return torch.device("cuda", 0)
+
+
 def check_cluster_gpus(resources: dict, ranks: int, inference_gpus: int, address: str) -> None:
     """A cluster with fewer GPUs than the run's ranks and inference GPUs would leave an actor waiting for one forever
     (another job's GPUs it waits for, as Ray does)."""

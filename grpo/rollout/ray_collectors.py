@@ -31,7 +31,7 @@ from grpo.inference.generation import EngineSettings, as_state_dict, tensor_plac
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.console import quiet_libraries, say
 from grpo.process.errors import UserError
-from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share
+from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share, see_only
 from grpo.process.setup import freeze_long_lived_objects, raise_if_stop_signalled, ray_pythonpath
 from grpo.rollout.dynamic_sampling import env_batches_per_draw
 from grpo.tasks.data import PromptLedger, serve_from
@@ -62,6 +62,8 @@ class RolloutWorker:
         cfg = OmegaConf.create(cfg_dict)
         seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
+        if device == "cuda" and cfg.inference_model.backend == "vllm":
+            self.device = torch_device = see_only(torch_device)
         self._own_gpu_current()
         configure_torch(on_gpu=device == "cuda")
         tokenizer = load_tokenizer(cfg.model.name)
@@ -157,7 +159,9 @@ class RolloutPool:
             {"num_gpus": gpu_share(cfg.train.num_collectors, len(devices))} if on_gpus else {})
         snapshot = self._snapshot(as_state_dict(weights))
         # GPU to GPU where the workers share this host (Ray's one node), else through the object store
-        self.cuda_ipc = one_host() and all(t.is_cuda for t in snapshot.values()) and on_gpus
+        # a vLLM worker sees its own GPU alone (ray_placement.see_only), so not the trainer's tensors' GPU
+        self.cuda_ipc = (one_host() and all(t.is_cuda for t in snapshot.values()) and on_gpus
+                         and cfg.inference_model.backend != "vllm")
         self._weights = PublishedWeights(snapshot, version, self.cuda_ipc)  # what a (re)started worker begins with
         self.pushed_version = version
         self.workers = [self._start_worker(i) for i in range(cfg.train.num_collectors)]
