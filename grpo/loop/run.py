@@ -34,7 +34,7 @@ from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.loop.settings import RecordSettings, ResumeSettings
 from grpo.process.console import say
-from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.process.devices import DeviceAllocation, PlacementSettings, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
 from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, freeze_long_lived_objects,
@@ -108,8 +108,8 @@ def check_start(cfg, *, inference_engines: int, dedicated_inference: bool, ray_g
     ``start_run`` again (under torchrun, with ``train_model.num_devices`` torchrun's count by then)."""
     resolve_local_paths(cfg)
     validate_config(cfg)
-    return allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference,
-                            placed_by_ray=ray_gpu is not None)
+    return allocate_devices(PlacementSettings.from_config(cfg), inference_engines=inference_engines,
+                            dedicated_inference=dedicated_inference, placed_by_ray=ray_gpu is not None)
 
 
 def start_run(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu=None) -> Run:
