@@ -23,7 +23,7 @@ from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  #
 from grpo.process.ray_placement import RaySettings, driver_gpu, ray_followers, ray_session  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402
 from grpo.process.world import World  # noqa: E402
-from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
+from grpo.rollout.ray_collectors import PoolSettings, RolloutPool  # noqa: E402
 from grpo.tasks.data import PromptLedger  # noqa: E402
 
 
@@ -41,8 +41,8 @@ def train(cfg) -> Run:
         run = start_run(cfg, **generation(cfg))
         ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
         run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
-        pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,  # on resume: its weights
-                           run.trainer.engine_weights(), run.trainer.policy_version)
+        pool = RolloutPool(PoolSettings.from_config(cfg), run.devices.torch_devices("inference"), run.stop_ids, ledger,
+                           run.trainer.engine_weights(), run.trainer.policy_version)  # on resume: its weights
         return train_loop(run, pool)
 
 

@@ -35,7 +35,7 @@ def train(cfg) -> Run:
     ledger = PromptLedger.from_checkpoint(run.resume_payload)  # the prompt batches trained before a resume
     # rank 0 generates alone, or every rank its share of each prompt batch on its own engine
     world = run.trainer.world if run.devices.generating_ranks > 1 else World()
-    return train_loop(run, rank_rollouts(cfg, run.task, run.tokenizer, run.engine, ledger, world))
+    return train_loop(run, rank_rollouts(run.rollout, run.task, run.tokenizer, run.engine, ledger, world))
 
 
 if __name__ == "__main__":
