@@ -13,7 +13,6 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 
@@ -21,10 +20,10 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
-from grpo.process.ray_placement import driver_gpu, ray_followers, ray_session  # noqa: E402
+from grpo.process.ray_placement import RaySettings, driver_gpu, ray_followers, ray_session  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402
 from grpo.process.world import World  # noqa: E402
-from grpo.rollout.ray_collectors import RolloutPool  # noqa: E402
+from grpo.rollout.ray_collectors import PoolSettings, RolloutPool  # noqa: E402
 from grpo.tasks.data import PromptLedger  # noqa: E402
 
 
@@ -37,13 +36,13 @@ def generation(cfg) -> dict:
 
 
 def train(cfg) -> Run:
-    # Ray before the models: in a cluster it places rank 0's GPU too
-    with ray_session(cfg, check_start(cfg, **generation(cfg))):  # or the ranks' launcher's (ray_followers)
+    # Ray before the models: in a cluster it places rank 0's GPU too (or the ranks' launcher's: ray_followers)
+    with ray_session(RaySettings.from_config(cfg), check_start(cfg, **generation(cfg))):
         run = start_run(cfg, **generation(cfg))
         ledger = PromptLedger.from_checkpoint(run.resume_payload)  # on resume, the batches in flight are served first
         run.stop_flag.install()  # SIGTERM: finish the step, checkpoint, stop the workers (Ray's handler aborts)
-        pool = RolloutPool(cfg, run.devices.torch_devices("inference"), run.stop_ids, ledger,  # on resume: its weights
-                           run.trainer.engine_weights(), run.trainer.policy_version)
+        pool = RolloutPool(PoolSettings.from_config(cfg), run.devices.torch_devices("inference"), run.stop_ids, ledger,
+                           run.trainer.engine_weights(), run.trainer.policy_version)  # on resume: its weights
         return train_loop(run, pool)
 
 
@@ -51,6 +50,7 @@ if __name__ == "__main__":
     if World.launched_main():  # alone, or rank 0: it runs the rollout workers, evaluates and writes; its other
         # trainer ranks are Ray actors, placed by Ray beside the rollout workers, on a cluster's nodes too
         hydra_main(train, __file__, check=lambda cfg: check_start(cfg, **generation(cfg)),
-                   followers=functools.partial(ray_followers, follow_run=follow_run))
+                   followers=lambda cfg, devices, script, size: ray_followers(
+                       RaySettings.from_config(cfg), devices, script, size, follow_run=follow_run))
     else:  # torchrun's other ranks train on the rollouts rank 0 sends (grpo/process/world.py)
         sys.exit(follow_run())

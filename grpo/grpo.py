@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
-from grpo.process.devices import trainer_ranks  # noqa: E402
+from grpo.process.devices import PlacementSettings, trainer_ranks  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402
 from grpo.process.world import World  # noqa: E402
 from grpo.rollout.local_rollouts import rank_rollouts  # noqa: E402
@@ -27,7 +27,7 @@ from grpo.tasks.data import PromptLedger  # noqa: E402
 def generation(cfg) -> dict:
     """Where the rollouts are generated, as ``check_start`` and ``start_run`` take it: on the trainer ranks' own
     engines, one on each at most (one per inference GPU)."""
-    return {"inference_engines": trainer_ranks(cfg) or 1, "dedicated_inference": False}
+    return {"inference_engines": trainer_ranks(PlacementSettings.from_config(cfg)) or 1, "dedicated_inference": False}
 
 
 def train(cfg) -> Run:
@@ -35,7 +35,7 @@ def train(cfg) -> Run:
     ledger = PromptLedger.from_checkpoint(run.resume_payload)  # the prompt batches trained before a resume
     # rank 0 generates alone, or every rank its share of each prompt batch on its own engine
     world = run.trainer.world if run.devices.generating_ranks > 1 else World()
-    return train_loop(run, rank_rollouts(cfg, run.task, run.tokenizer, run.engine, ledger, world))
+    return train_loop(run, rank_rollouts(run.rollout, run.task, run.tokenizer, run.engine, ledger, world))
 
 
 if __name__ == "__main__":

@@ -275,7 +275,7 @@ def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoin
 def test_pool_replaces_a_worker_killed_with_ray_kill():
     """Straight at the pool: every batch index comes out once, in order, around a ray.kill."""
     from grpo.process.setup import ray_pythonpath
-    from grpo.rollout.ray_collectors import RolloutPool
+    from grpo.rollout.ray_collectors import PoolSettings, RolloutPool
     from grpo.training.models import inference_state_dict, load_causal_lm, load_tokenizer, stop_token_ids
 
     cfg = compose("grpo_tiny", SMALL + EXACT + ["train.buffer_size=1"])  # 2 batches ahead: the kill hits one
@@ -285,8 +285,9 @@ def test_pool_replaces_a_worker_killed_with_ray_kill():
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}})
     try:
         ledger = PromptLedger()
-        pool = RolloutPool(cfg, [torch.device("cpu")], stop_token_ids(tokenizer, model.generation_config), ledger,
-                           inference_state_dict(model), version=0)
+        pool = RolloutPool(PoolSettings.from_config(cfg), [torch.device("cpu")],
+                           stop_token_ids(tokenizer, model.generation_config), ledger, inference_state_dict(model),
+                           version=0)
         seen = []
         for step in range(6):
             if step == 2:

@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 
 from conftest import ray_cluster_here
 from grpo.process.allocation import DeviceAllocation
-from grpo.process.devices import allocate_devices
+from grpo.process.devices import PlacementSettings, allocate_devices
 from grpo.process.errors import DeviceAllocationError
-from grpo.process.ray_placement import MEMORY_MONITOR, SAME_GPU_IDS, TRAINER_GPU, assigned_gpu, driver_gpu, \
-    gpu_share, local_gpu, local_ray_resources, ray_session, see_only, worker_gpu
+from grpo.process.ray_placement import MEMORY_MONITOR, SAME_GPU_IDS, TRAINER_GPU, RaySettings, assigned_gpu, \
+    driver_gpu, gpu_share, local_gpu, local_ray_resources, ray_session, see_only, worker_gpu
 from grpo.process.setup import ray_pythonpath
 
 
@@ -35,7 +35,8 @@ def four_gpu_layout(collectors: int):
     """4 GPUs: 2 trainer ranks on GPUs 0 and 1, 2 inference GPUs (2 and 3), ``collectors`` rollout workers."""
     cfg = OmegaConf.create({"train_model": {"num_devices": 2}, "inference_model": {"num_devices": 2},
                             "ref_model": {"colocate": True}, "train": {"num_collectors": collectors}})
-    return allocate_devices(cfg, inference_engines=collectors, dedicated_inference=True, visible_gpus=4)
+    return allocate_devices(PlacementSettings.from_config(cfg), inference_engines=collectors, dedicated_inference=True,
+                            visible_gpus=4)
 
 
 @pytest.fixture
@@ -123,7 +124,7 @@ def test_a_local_ray_kills_no_actor_for_the_node_s_memory_unless_asked(kill_on_l
     monkeypatch.setenv(MEMORY_MONITOR, "100")  # Ray's default is 250 ms; restored (unset) after the test
     cfg = OmegaConf.create({"ray": {"address": None, "num_cpus": 1, "kill_on_low_memory": kill_on_low_memory},
                             "train": {"num_collectors": 1}})
-    with ray_session(cfg, DeviceAllocation([], [], [], cpu=True)):
+    with ray_session(RaySettings.from_config(cfg), DeviceAllocation([], [], [], cpu=True)):
         busy = Sleeper.remote().sleep.remote(3)
         if kill_on_low_memory:
             with pytest.raises(ray.exceptions.RayError, match="low on memory"):
@@ -137,8 +138,9 @@ def in_a_cluster(address: str, trainer_ranks: int = 1):
     cfg = OmegaConf.create({"ray": {"address": address, "num_cpus": None, "kill_on_low_memory": False},
                             "train": {"num_collectors": 1}, "train_model": {"num_devices": trainer_ranks},
                             "ref_model": {"colocate": True}})
-    devices = allocate_devices(cfg, inference_engines=1, dedicated_inference=True, placed_by_ray=True, visible_gpus=2)
-    return ray_session(cfg, devices, trainer_actors=trainer_ranks - 1)
+    devices = allocate_devices(PlacementSettings.from_config(cfg), inference_engines=1, dedicated_inference=True,
+                               placed_by_ray=True, visible_gpus=2)
+    return ray_session(RaySettings.from_config(cfg), devices, trainer_actors=trainer_ranks - 1)
 
 
 def test_in_a_cluster_rank_0_s_node_without_a_gpu_in_ray_is_one_line(monkeypatch):
@@ -165,7 +167,7 @@ class TestOneClusterOfTwoNodes:
         ``ray.init()`` without an address joins, even a dead one: a test run hung on one that way)."""
         cfg = OmegaConf.create({"ray": {"address": None, "num_cpus": 1, "kill_on_low_memory": False},
                                 "train": {"num_collectors": 1}})
-        with ray_session(cfg, DeviceAllocation([], [], [], cpu=True)):
+        with ray_session(RaySettings.from_config(cfg), DeviceAllocation([], [], [], cpu=True)):
             assert len(ray.nodes()) == 1 and ray.cluster_resources()["CPU"] == 1  # the cluster: 2 nodes, 2 CPUs
 
     def test_in_a_cluster_rank_0_trains_on_a_gpu_of_its_node_that_ray_holds_and_no_actor_gets(self, cluster,

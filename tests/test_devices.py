@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from grpo.process import errors
 from grpo.process.allocation import DeviceAllocation
-from grpo.process.devices import allocate_devices, trainer_ranks
+from grpo.process import devices
+from grpo.process.devices import PlacementSettings
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.launch import agree_with_launcher
 from grpo.process.world import World
@@ -28,6 +29,15 @@ BASE = {
     "inference_model": {"num_devices": None, "devices": None, "colocate": False, "gpu_memory_utilization": 0.9},
 }
 SYNC, ASYNC = False, True  # dedicated_inference
+
+
+def allocate_devices(cfg, **kwargs) -> DeviceAllocation:
+    """As ``check_start`` calls it: on the config's placement settings."""
+    return devices.allocate_devices(PlacementSettings.from_config(cfg), **kwargs)
+
+
+def trainer_ranks(cfg) -> int | None:
+    return devices.trainer_ranks(PlacementSettings.from_config(cfg))
 
 
 def make_cfg(*overrides: str, base: dict = BASE) -> dict:
@@ -431,7 +441,8 @@ def test_under_torchrun_each_rank_makes_its_train_gpu_current_whatever_its_local
     """torchrun's 2 ranks on one node (LOCAL_RANK = RANK = 0, 1): rank 0 makes ``train_model.num_devices=null``
     torchrun's count and allocates, every rank selects the train GPU of its rank in what rank 0 sent."""
     cfg = OmegaConf.create(make_cfg("inference_model.colocate=true", *overrides))
-    agree_with_launcher(cfg, World(rank=0, size=2))
+    if (count := agree_with_launcher(PlacementSettings.from_config(cfg), World(rank=0, size=2))) is not None:
+        cfg.train_model.num_devices = count  # as hydra_main writes it
     alloc = allocate_devices(cfg, inference_engines=2, dedicated_inference=SYNC, visible_gpus=4)
     assert [alloc.current_gpu(local_rank, 2) for local_rank in (0, 1)] == current
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from conftest import REPO, SHORT_RUN, train_in_process
-from grpo.process.devices import allocate_devices
+from grpo.process.devices import PlacementSettings, allocate_devices
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.launch import agree_with_launcher, trainer_world
 from grpo.process.world import World
@@ -176,8 +176,9 @@ def test_more_ranks_than_gpus_is_an_error_before_any_starts(monkeypatch):
                             "inference_model": {"colocate": True}})
     with pytest.raises(DeviceAllocationError, match=r"^Not enough GPUs: train_model needs 3, but only 2 are unclaimed "
                                                     r"\(2 GPU\(s\) visible\). Fix: train_model.num_devices=2$"):
-        with trainer_world(cfg, script="never started",
-                           check=lambda cfg: allocate_devices(cfg, inference_engines=3, dedicated_inference=False)):
+        placement = PlacementSettings.from_config(cfg)
+        with trainer_world(placement, script="never started",
+                           check=lambda: allocate_devices(placement, inference_engines=3, dedicated_inference=False)):
             pass
 
 
@@ -277,13 +278,13 @@ def test_torchrun_and_the_config_must_agree_on_the_rank_count(asked, fix):
     OmegaConf.update(cfg, key, yaml.safe_load(value))
     with pytest.raises(DeviceAllocationError, match=rf"torchrun started 2 trainer rank\(s\) \(WORLD_SIZE=2\) but "
                                                     rf"{re.escape(asked)} asks for .*Fix: {re.escape(fix)}"):
-        agree_with_launcher(cfg, World(rank=0, size=2))
+        agree_with_launcher(PlacementSettings.from_config(cfg), World(rank=0, size=2))
 
 
 def test_under_torchrun_a_null_rank_count_is_torchrun_s():
     cfg = OmegaConf.create({"train_model": {"num_devices": None, "devices": None}})
-    agree_with_launcher(cfg, World(rank=0, size=2))
-    assert cfg.train_model.num_devices == 2  # what the run's config and device allocation then say
+    # what the run's config and device allocation then say (hydra_main writes it)
+    assert agree_with_launcher(PlacementSettings.from_config(cfg), World(rank=0, size=2)) == 2
 
 
 def test_the_async_script_trains_on_two_ranks(tmp_path):

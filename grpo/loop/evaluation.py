@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from grpo.loop.settings import EvalSettings
 from grpo.process.console import say
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
@@ -106,14 +107,14 @@ class Evaluator:
     ``eval.samples_per_problem`` > 1), with this process's engine (the one that generates rollouts in sync, an
     eval-only one in async), given the trainer's weights first."""
 
-    def __init__(self, cfg, task: TaskSettings, tokenizer, engine, *, num_problems: int, fields: dict[str, str],
-                 last_eval_step: int | None = None):
+    def __init__(self, settings: EvalSettings, task: TaskSettings, tokenizer, engine, *, num_problems: int,
+                 fields: dict[str, str], last_eval_step: int | None = None):
         self.engine, self.num_problems, self.fields = engine, num_problems, fields
-        self.frequency, self.total_steps = cfg.eval.frequency, cfg.train.total_steps
+        self.frequency, self.total_steps = settings.frequency, settings.total_steps
         self.last_eval_step, self.evaluated = last_eval_step, False
-        prompts = min(cfg.eval.batch_size, num_problems)
+        prompts = min(settings.batch_size, num_problems)
         self.env = make_env(task, tokenizer, split=task.test_split, repeats=1, num_envs=prompts, shuffle=False)
-        self.k = cfg.eval.samples_per_problem
+        self.k = settings.samples_per_problem
         # as many replies a batch as the greedy eval's (its memory), from a k-th of the prompts
         self.sampled_env = make_env(task, tokenizer, split=task.test_split, repeats=self.k, shuffle=False,
                                     num_envs=self.k * max(1, prompts // self.k)) if self.k > 1 else None

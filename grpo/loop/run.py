@@ -32,9 +32,9 @@ from grpo.loop.evaluation import Evaluator
 from grpo.loop.logger import RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
-from grpo.loop.settings import RecordSettings, ResumeSettings
+from grpo.loop.settings import EvalSettings, RecordSettings, ResumeSettings
 from grpo.process.console import say
-from grpo.process.devices import DeviceAllocation, allocate_devices
+from grpo.process.devices import DeviceAllocation, PlacementSettings, allocate_devices
 from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
 from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, freeze_long_lived_objects,
@@ -43,6 +43,7 @@ from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested,
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
+from grpo.rollout.settings import RolloutSettings
 from grpo.tasks.envs import load_splits, task_of
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.tasks.settings import TaskSettings
@@ -56,7 +57,8 @@ from grpo.training.trainer import Trainer, TrainerSettings
 @dataclass
 class Run:
     """The parts of one run, each with its own job; ``step`` is the GRPO step in progress (or last done)."""
-    cfg: object
+    record_settings: RecordSettings  # the steps, what they show and keep
+    rollout: RolloutSettings    # how a step's replies are drawn
     devices: DeviceAllocation
     tokenizer: object
     task: TaskSettings          # what the task envs, data checks and turn environments read
@@ -78,9 +80,9 @@ class Run:
     def train_on(self, rollouts) -> dict:
         """One GRPO step on a batch of whole groups, its samples shown first (a step that fails still shows
         what it trained on); returns its metrics."""
-        logging = self.cfg.logging
-        if logging.samples_every and self.step % logging.samples_every == 0:
-            self.records.logger.log_samples(self.step, reply_samples(rollouts, logging.samples_count, self.tokenizer))
+        shown = self.record_settings
+        if shown.samples_every and self.step % shown.samples_every == 0:
+            self.records.logger.log_samples(self.step, reply_samples(rollouts, shown.samples_count, self.tokenizer))
         return self.trainer.update(rollouts, self.step)
 
     def evaluate_if_due(self, force: bool = False) -> None:
@@ -91,7 +93,7 @@ class Run:
 
     def checkpoint_if_due(self, extras: Callable[[], dict], force: bool = False, rng: dict | None = None) -> None:
         """``extras``: what the rollout source keeps in a checkpoint (its ``state``), asked only when one is due."""
-        freq = self.cfg.train.checkpoint_frequency
+        freq = self.record_settings.checkpoint_frequency
         if self.records.last_checkpoint and self.records.last_checkpoint[0] == self.step:
             return  # the end of a run whose last step was a periodic one wrote step N twice, needing room for both
         if force or (freq and self.step % freq == 0):
@@ -108,8 +110,8 @@ def check_start(cfg, *, inference_engines: int, dedicated_inference: bool, ray_g
     ``start_run`` again (under torchrun, with ``train_model.num_devices`` torchrun's count by then)."""
     resolve_local_paths(cfg)
     validate_config(cfg)
-    return allocate_devices(cfg, inference_engines=inference_engines, dedicated_inference=dedicated_inference,
-                            placed_by_ray=ray_gpu is not None)
+    return allocate_devices(PlacementSettings.from_config(cfg), inference_engines=inference_engines,
+                            dedicated_inference=dedicated_inference, placed_by_ray=ray_gpu is not None)
 
 
 def start_run(cfg, *, inference_engines: int, dedicated_inference: bool, ray_gpu=None) -> Run:
@@ -161,19 +163,22 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
                           "hydra.run.dir.")
     else:
         write_hydra_record(run_dir, task_config)
+    models, engine_settings = ModelSettings.from_config(cfg), EngineSettings.from_config(cfg)
     if eval_only:
-        print(f"train.total_steps=0: evaluating {last_checkpoint[1] if payload else cfg.model.name} only, "
+        print(f"train.total_steps=0: evaluating {last_checkpoint[1] if payload else models.name} only, "
               f"into {run_dir}", flush=True)
     config_record = resolved_config(cfg) | {"device_allocation": devices.as_dict()}
-    tokenizer = load_tokenizer(cfg.model.name)
+    tokenizer = load_tokenizer(models.name)
     check_prompt_lengths(task, tokenizer, splits)  # before any model loads: a too-long prompt hangs mid-run
     check_prompt_text(task, tokenizer, splits)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
-    say(f"loading {cfg.model.name}: the policy{', its frozen reference' if cfg.train.use_kl_to_ref else ''} and "
-        f"the {cfg.inference_model.backend} engine")
-    trainer = make_trainer(cfg, tokenizer, devices, World.from_env())
+    say(f"loading {models.name}: the policy{', its frozen reference' if models.reference else ''} and "
+        f"the {engine_settings.backend} engine")
+    world = World.from_env()
+    trainer = make_trainer(models, TrainerSettings.from_config(cfg), tokenizer, devices, world)
+    world.lead("start", cfg, devices)  # the other ranks build the same trainer from the config (``follow_run``)
     stop_ids = turn_stop_ids(task, tokenizer, stop_token_ids(tokenizer, trainer.policy_model.generation_config))
-    engine = make_inference(EngineSettings.from_config(cfg), trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
+    engine = make_inference(engine_settings, trainer.engine_weights(), tokenizer, stop_ids=stop_ids,
                             device=devices.torch_device("train" if dedicated_inference else "inference"))
     engine.turn_env = make_turn_env(task, tokenizer)  # what answers between turns (None: one turn an episode)
     trainer.take_samples_from(engine)  # ref_model.score_early: the reference scores replies as they are sampled
@@ -186,8 +191,9 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     logger.log({"step": payload["step"] if payload else 0, "event": event,
                 **{f"devices/{k}": str(v) for k, v in devices.as_dict().items()}})
     counters = payload["counters"] if payload else {"step": 0, "last_eval_step": None}
-    evaluator = Evaluator(cfg, task, tokenizer, engine, fields=task_of(task).eval_fields,
-                          num_problems=min(cfg.eval.num_problems, len(splits[cfg.env.test_split])),
+    eval_settings = EvalSettings.from_config(cfg)
+    evaluator = Evaluator(eval_settings, task, tokenizer, engine, fields=task_of(task).eval_fields,
+                          num_problems=min(eval_settings.num_problems, len(splits[task.test_split])),
                           last_eval_step=None if eval_only else counters["last_eval_step"])
     if payload:  # eval only: the checkpoint is evaluated here
         trainer.restore(payload, last_checkpoint[1])  # RNG states last of all
@@ -197,24 +203,22 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     # made last: a start that fails leaves no room file behind
     room = None if eval_only else HeldRoom(run_dir, checkpoint_bytes(trainer.trainable_bytes()))
     records = RunRecords(record_settings, run_dir, config_record, logger, last_checkpoint, gpu_ids, room)
-    return Run(cfg=cfg, devices=devices, tokenizer=tokenizer, task=task, stop_ids=stop_ids, trainer=trainer,
-               engine=engine, evaluator=evaluator, records=records, stop_flag=stop_flag, claim=claim,
-               resume_payload=payload, eval_only=eval_only, step=counters["step"])
+    return Run(record_settings=record_settings, rollout=RolloutSettings.from_config(cfg), devices=devices,
+               tokenizer=tokenizer, task=task, stop_ids=stop_ids, trainer=trainer, engine=engine, evaluator=evaluator,
+               records=records, stop_flag=stop_flag, claim=claim, resume_payload=payload, eval_only=eval_only,
+               step=counters["step"])
 
 
-def make_trainer(cfg, tokenizer, devices: DeviceAllocation, world: World) -> Trainer:
-    """The policy (sharded over ``world``'s ranks), the frozen reference and the GRPO step; rank 0 then has
-    the other ranks build the same (``follow_run``)."""
+def make_trainer(models: ModelSettings, settings: TrainerSettings, tokenizer, devices: DeviceAllocation,
+                 world: World) -> Trainer:
+    """The policy (sharded over ``world``'s ranks), the frozen reference and the GRPO step."""
     configure_torch(on_gpu=not devices.cpu)
     own = devices.for_rank(world.rank, world.size)  # this rank's train GPU (and the reference beside it)
     if (gpu := devices.current_gpu(world.rank, world.size)) is not None:
         torch.cuda.set_device(gpu)  # before any GPU work: FSDP2 shards onto the current GPU, NCCL's communicator too
-    models, settings = ModelSettings.from_config(cfg), TrainerSettings.from_config(cfg)
     policy_model = load_policy_model(models, tokenizer, own.torch_device("train"))
-    ref_model = load_reference_model(models, tokenizer, own.torch_device("ref")) if cfg.train.use_kl_to_ref else None
-    trainer = Trainer(settings, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, world=world)
-    world.lead("start", cfg, devices)
-    return trainer
+    ref_model = load_reference_model(models, tokenizer, own.torch_device("ref")) if models.reference else None
+    return Trainer(settings, policy_model, ref_model, pad_token_id=tokenizer.pad_token_id, world=world)
 
 
 def follow_run(own_gpu: int | None = None) -> int:
@@ -233,12 +237,14 @@ def follow_run(own_gpu: int | None = None) -> int:
         return args[0]
     cfg, devices = args
     devices = devices.on_gpu(own_gpu) if devices.placed_by_ray else devices
-    tokenizer = load_tokenizer(cfg.model.name)
-    trainer = make_trainer(cfg, tokenizer, devices, world)
+    models = ModelSettings.from_config(cfg)
+    tokenizer = load_tokenizer(models.name)
+    trainer = make_trainer(models, TrainerSettings.from_config(cfg), tokenizer, devices, world)
     if devices.generating_ranks == 1:
         return trainer.follow()
     # sync with an engine per rank: this rank generates its share of every step too
-    generation = RankGeneration(cfg, TaskSettings.from_config(cfg), tokenizer,
+    generation = RankGeneration(EngineSettings.from_config(cfg), RolloutSettings.from_config(cfg),
+                                TaskSettings.from_config(cfg), tokenizer,
                                 stop_token_ids(tokenizer, trainer.policy_model.generation_config),
                                 devices.for_rank(world.rank, world.size).torch_device("inference"), world)
     try:
@@ -249,7 +255,6 @@ def follow_run(own_gpu: int | None = None) -> int:
 
 def train_loop(run: Run, source) -> Run:
     """Train until ``train.total_steps`` on what ``source`` generates (the end as ``guard`` says); then shut it down."""
-    cfg = run.cfg
     try:
         with guard(run, source):
             run.evaluate_if_due(force=True)
@@ -257,8 +262,8 @@ def train_loop(run: Run, source) -> Run:
                 t0 = run.records.start_step()
                 # one collection; with dynamic sampling, more until every group trained has distinct rewards
                 rollouts, filtering = draw_step_batch(
-                    lambda: source.next_rollouts(run.trainer.policy_version), cfg.train.dialog_turns_per_batch,
-                    dynamic=cfg.train.dynamic_sampling, max_extra_batches=cfg.train.max_extra_generation_batches)
+                    lambda: source.next_rollouts(run.trainer.policy_version), run.rollout.replies_per_step,
+                    dynamic=run.rollout.dynamic_sampling, max_extra_batches=run.rollout.max_extra_batches)
                 metrics = run.train_on(rollouts)  # dense batch, reference and KL, advantages, clipped loss, optimiser
                 source.commit()                   # its prompt batches now count as trained
                 metrics |= source.after_update(run.trainer.engine_weights, run.trainer.policy_version)  # gathers only if due
@@ -273,13 +278,13 @@ def train_loop(run: Run, source) -> Run:
 
 def steps(run: Run):
     """The steps left, under a progress bar; a stop signal ends the run at a step boundary."""
-    cfg = run.cfg
-    bar = tqdm(range(run.step + 1, cfg.train.total_steps + 1), desc="GRPO", unit="step",
-               disable=not cfg.logging.progress_bar, dynamic_ncols=True)
+    settings = run.record_settings
+    bar = tqdm(range(run.step + 1, settings.total_steps + 1), desc="GRPO", unit="step",
+               disable=not settings.progress_bar, dynamic_ncols=True)
     bar.set_postfix_str("the first step: generating, scoring, training (its compiles make it the slowest)")
     for step in bar:
         run.step = step
-        with profile_to(str(run.run_dir), step) if step == cfg.logging.profile_step else contextlib.nullcontext():
+        with profile_to(str(run.run_dir), step) if step == settings.profile_step else contextlib.nullcontext():
             yield step
         freeze_long_lived_objects()  # the first step's compiles are done: the collector need not walk it all again
         bar.set_postfix(run.records.postfix)
@@ -298,7 +303,7 @@ def guard(run: Run, source):
         run.evaluate_if_due()
         if not run.eval_only:
             run.checkpoint_if_due(source.state, force=True)
-            if run.cfg.logging.export:
+            if run.record_settings.export:
                 records.export(run.step, trainer.policy_model, trainer.whole_weights(), run.tokenizer)
         exit_code, ended = 0, "evaluated (train.total_steps=0)" if run.eval_only else "finished"
     except StopRequested as stop:

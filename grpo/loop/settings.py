@@ -1,5 +1,6 @@
-"""What the loop layer's record-keeping reads of the config, in one place: ``RecordSettings.from_config`` (the
-logger, trackers, checkpoints, disk room and best weights) and ``ResumeSettings.from_config`` (resume='s checks)."""
+"""What the loop layer reads of the config, in one place: ``RecordSettings.from_config`` (the logger, trackers,
+checkpoints, disk room, best weights and the steps), ``EvalSettings.from_config`` (the held-out eval) and
+``ResumeSettings.from_config`` (resume='s checks)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from grpo.loop.trackers import tracker_names
 @dataclass(frozen=True)
 class RecordSettings:
     """Where a run's rows go and which checkpoints it keeps, read from the config once: the logger, the trackers,
-    the run's records, the disk-room checks and the best checkpoint take these, never the config itself."""
+    the run's records, the disk-room checks, the best checkpoint and the loop's steps take these, never the config
+    itself."""
     logger: str | Sequence[str]     # logger=: a tracker's name, a list of them, or none
     experiment_name: str            # the trackers' run name (wandb's, MLflow's experiment)
     wandb_project: str
@@ -23,6 +25,11 @@ class RecordSettings:
     keep_best: bool                 # the best held-out eval's weights kept in <run dir>/best/
     checkpoint_frequency: int       # GRPO steps between checkpoints; 0: only at the end
     total_steps: int                # the run's last step, where its final checkpoint is written
+    export: bool                    # the end of a run writes <run dir>/export
+    samples_every: int              # GRPO steps between shown replies; 0: never
+    samples_count: int              # prompts shown each time
+    progress_bar: bool              # tqdm's bar over the steps
+    profile_step: int | None        # a step recorded with torch.profiler
 
     @classmethod
     def from_config(cls, cfg) -> RecordSettings:
@@ -30,12 +37,31 @@ class RecordSettings:
         return cls(logger=cfg.logger, experiment_name=logging.experiment_name, wandb_project=wandb.project,
                    wandb_entity=wandb.entity, wandb_mode=wandb.mode, checkpoint_dir=logging.checkpoint_dir,
                    keep_last=logging.keep_last, keep_best=logging.keep_best,
-                   checkpoint_frequency=cfg.train.checkpoint_frequency, total_steps=cfg.train.total_steps)
+                   checkpoint_frequency=cfg.train.checkpoint_frequency, total_steps=cfg.train.total_steps,
+                   export=logging.export, samples_every=logging.samples_every, samples_count=logging.samples_count,
+                   progress_bar=logging.progress_bar, profile_step=logging.profile_step)
 
     @property
     def trackers(self) -> list[str]:
         """``logger=``'s trackers, ``none`` left out."""
         return tracker_names(self.logger)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """When the held-out eval runs and on how many problems, read from the config once: the ``Evaluator`` takes
+    these."""
+    frequency: int                  # GRPO steps between evals; 0: only before and after training
+    total_steps: int                # the run's last step, always evaluated
+    num_problems: int               # held-out problems an eval scores (at most the split's)
+    batch_size: int                 # prompts generated together
+    samples_per_problem: int        # k > 1: k sampled replies a problem too (pass@k, avg@k)
+
+    @classmethod
+    def from_config(cls, cfg) -> EvalSettings:
+        e = cfg.eval
+        return cls(frequency=e.frequency, total_steps=cfg.train.total_steps, num_problems=e.num_problems,
+                   batch_size=e.batch_size, samples_per_problem=e.samples_per_problem)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ allocation names the GPU Ray gave that rank (``on_gpu``), its reference beside i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +37,47 @@ import torch
 from grpo.process.allocation import RAY_ASSIGNED, DeviceAllocation, ids_text
 from grpo.process.errors import DeviceAllocationError
 
+
+@dataclass(frozen=True)
+class DeviceRequest:
+    """One model's GPUs as the config asks for them, unchecked: ``allocate_devices`` checks them."""
+    key: str                        # its config section: train_model, ref_model or inference_model
+    num_devices: object             # None, or how many GPUs
+    devices: object                 # None, or which GPU ids
+    colocate: object                # None: false
+
+    @classmethod
+    def from_config(cls, cfg, key: str) -> DeviceRequest:
+        section = cfg.get(key) or {}
+        return cls(key, section.get("num_devices"), section.get("devices"), section.get("colocate"))
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """What GPU placement reads of the config, as composed: ``allocate_devices`` and ``trainer_ranks`` check it.
+    A section or key missing reads as null."""
+    train: DeviceRequest
+    ref: DeviceRequest
+    inference: DeviceRequest
+    use_kl_to_ref: object           # train.use_kl_to_ref; None: true (the reference needs GPUs)
+    gpu_memory_utilization: object  # inference_model's, in (0, 1]
+    allow_cpu: object               # None: false
+    num_envs: object                # env.num_envs and env.repeats: sync's generating ranks split a batch's prompts
+    repeats: object
+
+    @classmethod
+    def from_config(cls, cfg) -> PlacementSettings:
+        train, inference, env = cfg.get("train") or {}, cfg.get("inference_model") or {}, cfg.get("env") or {}
+        return cls(train=DeviceRequest.from_config(cfg, "train_model"), ref=DeviceRequest.from_config(cfg, "ref_model"),
+                   inference=DeviceRequest.from_config(cfg, "inference_model"),
+                   use_kl_to_ref=train.get("use_kl_to_ref"),
+                   gpu_memory_utilization=inference.get("gpu_memory_utilization"), allow_cpu=cfg.get("allow_cpu"),
+                   num_envs=env.get("num_envs"), repeats=env.get("repeats"))
+
+
 @dataclass
 class _Request:
+    """A ``DeviceRequest`` checked."""
     key: str  # config section, e.g. "train_model"
     num: int | None = None
     devices: list[int] | None = None
@@ -53,8 +92,7 @@ class _Request:
         return f"{self.key}.devices={ids_text(self.devices[:n])}" if self.devices else f"{self.key}.num_devices={n}"
 
 
-def _flag(section: Mapping, name: str, default: bool) -> bool:
-    value = section.get(name.rsplit(".", 1)[-1])
+def _flag(value, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
@@ -62,10 +100,9 @@ def _flag(section: Mapping, name: str, default: bool) -> bool:
     return value
 
 
-def _request(cfg: Mapping, key: str) -> _Request:
-    section = cfg.get(key) or {}
-    num, devices = section.get("num_devices"), section.get("devices")
-    req = _Request(key, colocate=_flag(section, f"{key}.colocate", False))
+def _checked(request: DeviceRequest) -> _Request:
+    key, num, devices = request.key, request.num_devices, request.devices
+    req = _Request(key, colocate=_flag(request.colocate, f"{key}.colocate", False))
     if num is not None and devices is not None:
         raise DeviceAllocationError(f"{key}.num_devices and {key}.devices are both set; they are exclusive. "
                                     f"Fix: {key}.num_devices=null (keep devices) or {key}.devices=null")
@@ -85,11 +122,11 @@ def _request(cfg: Mapping, key: str) -> _Request:
     return req
 
 
-def trainer_ranks(cfg: Mapping) -> int | None:
+def trainer_ranks(placement: PlacementSettings) -> int | None:
     """How many data-parallel trainer ranks ``train_model`` asks for: one per GPU of its ``devices`` or
     ``num_devices`` (with no GPU, as many gloo ranks on the CPU); ``None`` when it sets neither. A bad value is
     the one-line error ``allocate_devices`` gives."""
-    req = _request(cfg, "train_model")
+    req = _checked(placement.train)
     return req.count if req.num or req.devices else None
 
 
@@ -101,8 +138,8 @@ def _visible(visible_gpus: int | list[int] | None) -> list[int]:
     return ids
 
 
-def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inference: bool, placed_by_ray: bool = False,
-                     visible_gpus: int | list[int] | None = None) -> DeviceAllocation:
+def allocate_devices(placement: PlacementSettings, *, inference_engines: int, dedicated_inference: bool,
+                     placed_by_ray: bool = False, visible_gpus: int | list[int] | None = None) -> DeviceAllocation:
     """GPU ids for each model; ``visible_gpus=None`` counts the GPUs torch sees. ``inference_engines``: the most
     engines the script can start (async: its collectors; sync: one per trainer rank). ``placed_by_ray``: a Ray
     cluster places every rank and worker (``ray_placed``)."""
@@ -111,18 +148,18 @@ def allocate_devices(cfg: Mapping, *, inference_engines: int, dedicated_inferenc
     visible = _visible(visible_gpus)
     n = len(visible)
     vis = f"{n} GPU(s) visible"
-    use_ref = _flag(cfg.get("train") or {}, "train.use_kl_to_ref", True)
-    train, inf = _request(cfg, "train_model"), _request(cfg, "inference_model")
-    ref = _request(cfg, "ref_model") if use_ref else _Request("ref_model")
-    gmu = (cfg.get("inference_model") or {}).get("gpu_memory_utilization")
+    use_ref = _flag(placement.use_kl_to_ref, "train.use_kl_to_ref", True)
+    train, inf = _checked(placement.train), _checked(placement.inference)
+    ref = _checked(placement.ref) if use_ref else _Request("ref_model")
+    gmu = placement.gpu_memory_utilization
     if gmu is not None and (isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0 < gmu <= 1):
         raise DeviceAllocationError(f"inference_model.gpu_memory_utilization={gmu!r} must be in (0, 1]. "
                                     f"Fix: inference_model.gpu_memory_utilization=0.5")
     notes = {} if use_ref else {"ref": "no reference model (train.use_kl_to_ref=false)"}
-    generating = 1 if dedicated_inference else _generating_ranks(cfg, train, inf, inference_engines, vis)
+    generating = 1 if dedicated_inference else _generating_ranks(placement, train, inf, inference_engines, vis)
 
     if n == 0:
-        if not _flag(cfg, "allow_cpu", False):
+        if not _flag(placement.allow_cpu, "allow_cpu", False):
             raise DeviceAllocationError("No GPU visible for the train, ref and inference models. "
                                         "Fix: allow_cpu=true (tiny models only) or run on a GPU machine")
         return DeviceAllocation([], [], [], cpu=True, gpu_memory_utilization=gmu, notes=notes,
@@ -229,7 +266,7 @@ def ray_placed(train: _Request, inf: _Request, ref: _Request | None, engines: in
                             num_visible=visible, gpu_memory_utilization=gmu, notes=notes, placed_by_ray=True)
 
 
-def _generating_ranks(cfg: Mapping, train: _Request, inf: _Request, engines: int, vis: str) -> int:
+def _generating_ranks(placement: PlacementSettings, train: _Request, inf: _Request, engines: int, vis: str) -> int:
     """Sync: 1 (rank 0 generates) or, with one inference GPU per trainer rank, every rank, each its share of every
     prompt batch by whole prompts. More inference GPUs than ranks is ``allocate_devices``' idle-GPU error."""
     k, t = inf.count, train.count
@@ -244,8 +281,7 @@ def _generating_ranks(cfg: Mapping, train: _Request, inf: _Request, engines: int
         raise DeviceAllocationError(f"inference_model has {k} GPUs but train_model has {t}: sync generates on rank 0 "
                                     f"alone (1 inference GPU) or on every trainer rank, one engine each ({vis}). "
                                     f"Fix: inference_model.num_devices=1 or inference_model.num_devices={t}")
-    env = cfg.get("env") or {}
-    num_envs, repeats = env.get("num_envs"), env.get("repeats")
+    num_envs, repeats = placement.num_envs, placement.repeats
     if num_envs is not None and repeats and (num_envs // repeats) % k:
         prompts = num_envs // repeats
         fit = max(k, prompts // k * k) * repeats

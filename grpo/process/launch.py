@@ -26,7 +26,7 @@ import time
 
 import torch.distributed as dist
 
-from grpo.process.devices import trainer_ranks
+from grpo.process.devices import PlacementSettings, trainer_ranks
 from grpo.process.errors import DeviceAllocationError
 from grpo.process.world import World, join_group
 
@@ -35,49 +35,48 @@ REAP_GRACE_S = 30  # what a follower has to exit once rank 0 led the stop; it ta
 
 
 @contextlib.contextmanager
-def trainer_world(cfg, script: str, check, followers=None):
-    """Rank 0's world for its whole run: the other ranks started by ``followers(cfg, devices, script, size)`` (a
-    context that yields the joined world: ``process_followers``, the default, runs ``script`` as each; the async
-    script's are Ray actors, ``grpo.process.ray_placement``) or, under torchrun, joined; however the run ends, they
-    are told to stop with its exit status (``World.leading``). ``check(cfg)``: the checks that need no other rank,
-    run before any is started, returning the run's ``DeviceAllocation``; under torchrun, whose ranks run already,
-    the run makes them inside the world, which tells those ranks to stop."""
+def trainer_world(placement: PlacementSettings, script: str, check, followers=None):
+    """Rank 0's world for its whole run: the other ranks started by ``followers(devices, script, size)`` (a context
+    that yields the joined world: ``process_followers``, the default, runs ``script`` as each; the async script's are
+    Ray actors, ``grpo.process.ray_placement``) or, under torchrun, joined; however the run ends, they are told to
+    stop with its exit status (``World.leading``). ``check()``: the checks that need no other rank, run before any
+    is started, returning the run's ``DeviceAllocation``; under torchrun, whose ranks run already, the run makes
+    them inside the world (``agree_with_launcher`` first), which tells those ranks to stop."""
     if "WORLD_SIZE" in os.environ:  # torchrun's ranks
         world = World.from_env()
         with world.leading():
-            agree_with_launcher(cfg, world)
             yield world
         return
-    ranks = trainer_ranks(cfg) or 1
-    devices = check(cfg)
+    ranks = trainer_ranks(placement) or 1
+    devices = check()
     followers = followers or process_followers
-    started = followers(cfg, devices, script, ranks) if ranks > 1 else contextlib.nullcontext(World())
+    started = followers(devices, script, ranks) if ranks > 1 else contextlib.nullcontext(World())
     with started as world, world.leading():
         yield world
 
 
-def agree_with_launcher(cfg, world: World) -> None:
-    """Under torchrun, ``train_model.num_devices`` left null becomes the number of ranks it started (the run's
-    config and device allocation then say it); set, it must be that number."""
-    asked = trainer_ranks(cfg)
+def agree_with_launcher(placement: PlacementSettings, world: World) -> int | None:
+    """Under torchrun, ``train_model.num_devices`` left null becomes the number of ranks it started: returned, for
+    the run's config (its record and device allocation then say it); set, it must be that number. None: the config's
+    count stands (always, for the ranks ``trainer_world`` started itself)."""
+    asked = trainer_ranks(placement)
     if asked is None:
-        if world.size > 1:
-            cfg.train_model.num_devices = world.size
-        return
-    if asked != world.size:
-        if cfg.train_model.get("devices") is not None:
-            setting = f"train_model.devices={list(cfg.train_model.devices)}"
-            fix = "train_model.devices=null (torchrun's count)"
-        else:
-            setting = f"train_model.num_devices={asked}"
-            fix = f"train_model.num_devices={world.size} (or null: torchrun's count)"
-        raise DeviceAllocationError(
-            f"torchrun started {world.size} trainer rank(s) (WORLD_SIZE={world.size}) but {setting} asks for {asked}: "
-            f"each rank trains on one of them. Fix: {fix} or --nproc_per_node={asked}, "
-            f"or leave out torchrun: on one node {setting} starts its ranks itself")
+        return world.size if world.size > 1 else None
+    if asked == world.size:
+        return None
+    if placement.train.devices is not None:
+        setting = f"train_model.devices={list(placement.train.devices)}"
+        fix = "train_model.devices=null (torchrun's count)"
+    else:
+        setting = f"train_model.num_devices={asked}"
+        fix = f"train_model.num_devices={world.size} (or null: torchrun's count)"
+    raise DeviceAllocationError(
+        f"torchrun started {world.size} trainer rank(s) (WORLD_SIZE={world.size}) but {setting} asks for {asked}: "
+        f"each rank trains on one of them. Fix: {fix} or --nproc_per_node={asked}, "
+        f"or leave out torchrun: on one node {setting} starts its ranks itself")
 
 
-def process_followers(cfg, devices, script: str, size: int):
+def process_followers(devices, script: str, size: int):
     """Ranks 1..size-1 as processes of this node: ``script`` run with torchrun's variables (``_followers``)."""
     return _followers(script, size)
 

@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import traceback
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -46,8 +47,22 @@ LEASE_WAIT_S = 120  # how long rank 0 waits for a GPU of its node to come free i
 _driver_lease = None  # in a cluster: (the actor holding rank 0's GPU, its id here), for the Ray session's life
 
 
+@dataclass(frozen=True)
+class RaySettings:
+    """What the async script's Ray reads of the config: ``ray_session`` and the placement of its actors take it."""
+    address: str | None             # ray.address: a cluster to join; None: a local Ray of the run's own
+    num_cpus: int | None            # ray.num_cpus: ray.init's; None: all
+    kill_on_low_memory: bool        # ray.kill_on_low_memory: a local Ray's memory monitor left on
+    num_collectors: int             # train.num_collectors: rollout workers, one CPU each
+
+    @classmethod
+    def from_config(cls, cfg) -> RaySettings:
+        return cls(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, kill_on_low_memory=cfg.ray.kill_on_low_memory,
+                   num_collectors=cfg.train.num_collectors)
+
+
 @contextlib.contextmanager
-def ray_session(cfg, devices: DeviceAllocation, trainer_actors: int = 0):
+def ray_session(settings: RaySettings, devices: DeviceAllocation, trainer_actors: int = 0):
     """Ray for this run: the one this process joined already (the trainer ranks' launcher started it, and ends it),
     else started (with ``devices``' GPUs: ``local_ray_resources``), or ``ray.address``'s cluster joined, here and
     left at the end. A local Ray is checked to hold the run's actors: ``trainer_actors`` trainer ranks and
@@ -57,18 +72,18 @@ def ray_session(cfg, devices: DeviceAllocation, trainer_actors: int = 0):
     if ray.is_initialized():
         yield
         return
-    local = local_ray_resources(devices, trainer_actors) if cfg.ray.address is None else {}
-    if cfg.ray.address is None and not cfg.ray.kill_on_low_memory:
+    local = local_ray_resources(devices, trainer_actors) if settings.address is None else {}
+    if settings.address is None and not settings.kill_on_low_memory:
         os.environ[MEMORY_MONITOR] = "0"  # read by the raylet ray.init starts: its memory monitor never runs
     # "local", not None: None joins whichever cluster this machine ran last (/tmp/ray/ray_current_cluster), even a
     # dead one, where the config asked for a Ray of the run's own
-    ray.init(address=cfg.ray.address or "local", num_cpus=cfg.ray.num_cpus, include_dashboard=False,
+    ray.init(address=settings.address or "local", num_cpus=settings.num_cpus, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
     try:
-        if cfg.ray.address is None:
-            check_room(ray.cluster_resources(), trainer_actors, cfg.train.num_collectors, not devices.cpu)
+        if settings.address is None:
+            check_room(ray.cluster_resources(), trainer_actors, settings.num_collectors, not devices.cpu)
         elif devices.placed_by_ray:
-            check_cluster_gpus(ray.cluster_resources(), trainer_actors + 1, len(devices.inference), cfg.ray.address)
+            check_cluster_gpus(ray.cluster_resources(), trainer_actors + 1, len(devices.inference), settings.address)
             hold_driver_gpu()  # before any actor starts: one could take this node's last GPU
         yield
     finally:
@@ -85,12 +100,12 @@ def local_ray_resources(devices: DeviceAllocation, trainer_actors: int) -> dict:
     return {"num_gpus": len(devices.inference), "resources": {TRAINER_GPU: trainer_actors} if trainer_actors else None}
 
 
-def trainer_rank_resources(cfg, devices: DeviceAllocation) -> dict:
+def trainer_rank_resources(settings: RaySettings, devices: DeviceAllocation) -> dict:
     """What one trainer rank asks Ray for: a GPU (a local Ray's ``TRAINER_GPU``: its GPUs are the workers'), or a
     CPU where there is no GPU."""
     if devices.cpu:
         return {"num_cpus": 1}
-    return {"resources": {TRAINER_GPU: 1}} if cfg.ray.address is None else {"num_gpus": 1}
+    return {"resources": {TRAINER_GPU: 1}} if settings.address is None else {"num_gpus": 1}
 
 
 def gpu_share(workers: int, gpus: int) -> float:
@@ -227,21 +242,21 @@ class TrainerRank:
 
 
 @contextlib.contextmanager
-def ray_followers(cfg, devices: DeviceAllocation, script: str, size: int, *, follow_run):
+def ray_followers(settings: RaySettings, devices: DeviceAllocation, script: str, size: int, *, follow_run):
     """Ranks 1..size-1 of a world this process hosts as rank 0, as ``TrainerRank`` actors, each running
     ``follow_run`` (the script's: ``script`` is the process launcher's). On GPUs each asks Ray for one
     (``trainer_rank_resources``) and trains on the allocation's GPU for its rank (``DeviceAllocation.for_rank``), or
     in a cluster on the one Ray assigned it (``DeviceAllocation.on_gpu``); on
     the CPU it asks for one CPU. At the end the actors get ``REAP_GRACE_S`` to end their loop (and leave the group),
     at once if the group was never joined, then are killed, and rank 0 leaves the group last."""
-    with ray_session(cfg, devices, trainer_actors=size - 1):
+    with ray_session(settings, devices, trainer_actors=size - 1):
         address = ray.util.get_node_ip_address()  # where rank 0 runs, reachable from every node of the cluster
         with socket.socket() as probe:  # free now; taken before rank 0 binds it, an error at once, not a hang
             probe.bind((address, 0))
             port = probe.getsockname()[1]
         env = {"WORLD_SIZE": str(size), "LOCAL_WORLD_SIZE": str(size), "MASTER_ADDR": address, "MASTER_PORT": str(port)}
         options = {"env_vars": {"PYTHONPATH": ray_pythonpath(), **SAME_GPU_IDS}}
-        resources = trainer_rank_resources(cfg, devices)
+        resources = trainer_rank_resources(settings, devices)
         ranks = [TrainerRank.options(**resources, runtime_env=options).remote() for _ in range(1, size)]
         loops = [rank.follow.remote(follow_run, env | {"RANK": str(r), "LOCAL_RANK": str(r)}, devices.placed_by_ray)
                  for r, rank in enumerate(ranks, 1)]

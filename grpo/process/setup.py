@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import gc
 import os
 import random
@@ -23,8 +24,9 @@ from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
 from grpo.process.console import quiet_libraries
+from grpo.process.devices import PlacementSettings
 from grpo.process.errors import ConfigError, RunDirError, clear_errors
-from grpo.process.launch import trainer_world
+from grpo.process.launch import agree_with_launcher, trainer_world
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,15 +50,19 @@ def check_retired_overrides(overrides) -> None:
 
 def hydra_main(train, script: str, check: Callable, followers=None) -> None:
     """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default) as
-    rank 0 of the trainer's ranks: ``train_model.num_devices=N`` starts the other N-1 (``followers``: by default
-    ``script`` run as each) once ``check(cfg)`` passed, torchrun's are joined (``grpo.process.launch``), and they
-    stop with it however it ends."""
+    rank 0 of the trainer's ranks: ``train_model.num_devices=N`` starts the other N-1 (``followers(cfg, devices,
+    script, size)``: by default ``script`` run as each) once ``check(cfg)`` passed, torchrun's are joined
+    (``grpo.process.launch``), and they stop with it however it ends."""
 
     @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "config"), config_name="grpo_gsm8k")
     def main(cfg) -> None:
         set_list_to_stack(True).set()
         quiet_libraries()
-        with clear_errors(), trainer_world(cfg, script, check, followers):
+        placement = PlacementSettings.from_config(cfg)
+        with clear_errors(), trainer_world(placement, script, lambda: check(cfg),
+                                           followers and functools.partial(followers, cfg)) as world:
+            if (launcher_count := agree_with_launcher(placement, world)) is not None:
+                cfg.train_model.num_devices = launcher_count
             try:
                 train(cfg)
             except Exception:

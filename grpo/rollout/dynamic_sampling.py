@@ -22,14 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from grpo.rollout.settings import RolloutSettings
 from grpo.training.batch import group_ids
 from grpo.training.replies import Replies
 
 
-def env_batches_per_draw(cfg) -> int:
+def env_batches_per_draw(rollout: RolloutSettings) -> int:
     """The env batches (``env.num_envs`` replies each) one draw takes: enough for a step's replies, so one when a
     batch holds more than a step (dynamic sampling only: ``grpo.loop.config`` checks it)."""
-    return -(-cfg.train.dialog_turns_per_batch // cfg.env.num_envs)
+    return -(-rollout.replies_per_step // rollout.num_envs)
 
 
 def reply_groups(replies: Replies) -> list[list[int]]:

@@ -28,6 +28,7 @@ from grpo.inference.generation import EngineSettings
 from grpo.process.errors import UserError
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import env_batches_per_draw
+from grpo.rollout.settings import RolloutSettings
 from grpo.tasks.data import PromptLedger, data_primer, serve_from
 from grpo.tasks.envs import make_collector, make_env
 from grpo.tasks.settings import TaskSettings
@@ -42,13 +43,14 @@ class CollectorRollouts:
     each collection, every rank generates its share of the prompt batches, and rank 0 gathers the shares in rank
     order: the whole batch, each prompt's group whole, which rank 0 then trains on as it would on its own."""
 
-    def __init__(self, cfg, env, collector, ledger: PromptLedger, engine, world: World = World()):
+    def __init__(self, rollout: RolloutSettings, env, collector, ledger: PromptLedger, engine,
+                 world: World = World()):
         self.env, self.collector, self.ledger, self.engine, self.world = env, collector, ledger, engine, world
         start = ledger.sequential_start()
         world.lead("rollouts", start)  # the other ranks build theirs, from the batch rank 0's ledger says
         serve_from(env, collector, start)  # the collector then draws batch after batch
         self.batches = iter(collector)
-        self.batches_per_step = env_batches_per_draw(cfg)
+        self.batches_per_step = env_batches_per_draw(rollout)
         self.taken: list[int] = []  # the prompt batches this step's collections drew
         self.generation_s = self.slowest_rank_s = self.engine_s = self.env_s = 0.0
         self.engines_mismatched = 0
@@ -124,16 +126,16 @@ def sendable(err: Exception | None):
     return None if err is None else f"{type(err).__name__}: {err}"
 
 
-def rank_rollouts(cfg, task: TaskSettings, tokenizer, engine, ledger: PromptLedger,
+def rank_rollouts(rollout: RolloutSettings, task: TaskSettings, tokenizer, engine, ledger: PromptLedger,
                   world: World = World()) -> CollectorRollouts:
     """This rank's sync source over ``engine``: an env of ``1/world.size`` of ``env.num_envs``, drawing this rank's
     share of every prompt batch (prompts ``r*P/N .. (r+1)*P/N`` of batch ``b`` of ``P``; ``allocate_devices`` checked
     that they split), and a collector of its share of each step's replies."""
-    env = make_env(task, tokenizer, split=task.train_split, repeats=cfg.env.repeats,
-                   num_envs=cfg.env.num_envs // world.size)
-    data_primer(env).dataloader.share_of(world.rank, world.size, cfg.env.num_envs // cfg.env.repeats)
-    collector = make_collector(env, engine.policy, cfg.train.dialog_turns_per_batch // world.size)
-    return CollectorRollouts(cfg, env, collector, ledger, engine, world)
+    env = make_env(task, tokenizer, split=task.train_split, repeats=rollout.repeats,
+                   num_envs=rollout.num_envs // world.size)
+    data_primer(env).dataloader.share_of(world.rank, world.size, rollout.num_envs // rollout.repeats)
+    collector = make_collector(env, engine.policy, rollout.replies_per_step // world.size)
+    return CollectorRollouts(rollout, env, collector, ledger, engine, world)
 
 
 class RankGeneration:
@@ -142,15 +144,17 @@ class RankGeneration:
     source, built when rank 0 builds its own (``rollouts``, with the prompt batch rank 0's ledger starts at); then
     each collection rank 0 leads (``generate``)."""
 
-    def __init__(self, cfg, task: TaskSettings, tokenizer, model_stop_ids: list[int], device, world: World):
-        self.cfg, self.task, self.tokenizer, self.device, self.world = cfg, task, tokenizer, device, world
+    def __init__(self, engine_settings: EngineSettings, rollout: RolloutSettings, task: TaskSettings, tokenizer,
+                 model_stop_ids: list[int], device, world: World):
+        self.engine_settings, self.rollout, self.task = engine_settings, rollout, task
+        self.tokenizer, self.device, self.world = tokenizer, device, world
         self.stop_ids = turn_stop_ids(task, tokenizer, model_stop_ids)  # rank 0's engine's: a tool call's tag too
         self.engine, self.source = None, None
         self.commands = {"rollouts": self.start, "generate": lambda version, seed: self.source.next_rollouts(version, seed)}
 
     def take_weights(self, weights, version: int) -> None:
         if self.engine is None:
-            self.engine = make_inference(EngineSettings.from_config(self.cfg), weights, self.tokenizer,
+            self.engine = make_inference(self.engine_settings, weights, self.tokenizer,
                                          stop_ids=self.stop_ids, device=self.device)
             self.engine.turn_env = make_turn_env(self.task, self.tokenizer)
         else:
@@ -158,7 +162,7 @@ class RankGeneration:
 
     def start(self, batch_index: int) -> None:
         ledger = PromptLedger({"next_batch": batch_index, "pending": []})  # rank 0 keeps the run's ledger
-        self.source = rank_rollouts(self.cfg, self.task, self.tokenizer, self.engine, ledger, self.world)
+        self.source = rank_rollouts(self.rollout, self.task, self.tokenizer, self.engine, ledger, self.world)
 
     def shutdown(self) -> None:
         if self.source is not None:

@@ -23,18 +23,21 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from dataclasses import dataclass
+
 import ray
 import torch
-from omegaconf import OmegaConf
 
 from grpo.inference.generation import EngineSettings, as_state_dict, tensor_place
 from grpo.inference.weight_transfer import PublishedWeights, one_host, receive
 from grpo.process.console import quiet_libraries, say
 from grpo.process.errors import UserError
-from grpo.process.ray_placement import SAME_GPU_IDS, assigned_gpu, gpu_share, see_only
+from grpo.process.ray_placement import SAME_GPU_IDS, RaySettings, assigned_gpu, gpu_share, see_only
 from grpo.process.setup import freeze_long_lived_objects, raise_if_stop_signalled, ray_pythonpath
 from grpo.rollout.dynamic_sampling import env_batches_per_draw
+from grpo.rollout.settings import RolloutSettings
 from grpo.tasks.data import PromptLedger, serve_from
+from grpo.tasks.settings import TaskSettings
 from grpo.tasks.user_rewards import take_reward_seconds
 from grpo.training.models import torch_dtype
 from grpo.training.replies import Replies
@@ -42,10 +45,32 @@ from grpo.training.replies import Replies
 GENERATION_STATS = ("replies", "tokens", "idle_s", "weight_apply_s", "reward_s", "engine_s", "env_s")
 
 
+@dataclass(frozen=True)
+class PoolSettings:
+    """What the rollout pool and its workers read of the config, once: ``RolloutPool`` takes these, never the config."""
+    engine: EngineSettings          # each worker's engine
+    task: TaskSettings              # each worker's env
+    rollout: RolloutSettings        # a worker's batch (env.num_envs replies) and the batches a step draws
+    ray: RaySettings                # the workers, and the GPUs Ray gives them
+    buffer_size: int                # batches assigned beyond the one each worker generates
+    max_policy_lag: int             # batches generated more optimiser steps ago than this are dropped
+    weight_update_frequency: int    # optimiser steps between weight pushes
+    max_worker_restarts: int        # failed workers replaced per run
+
+    @classmethod
+    def from_config(cls, cfg) -> PoolSettings:
+        train = cfg.train
+        return cls(engine=EngineSettings.from_config(cfg), task=TaskSettings.from_config(cfg),
+                   rollout=RolloutSettings.from_config(cfg), ray=RaySettings.from_config(cfg),
+                   buffer_size=train.buffer_size, max_policy_lag=train.max_policy_lag,
+                   weight_update_frequency=train.weight_update_frequency,
+                   max_worker_restarts=train.max_worker_restarts)
+
+
 @ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
 class RolloutWorker:
-    def __init__(self, cfg_dict: dict, worker_id: int, device: str, gpu_pool: list[int] | None, stop_ids: list[int],
-                 weights, version: int, checksum: int):
+    def __init__(self, settings: PoolSettings, worker_id: int, device: str, gpu_pool: list[int] | None,
+                 stop_ids: list[int], weights, version: int, checksum: int):
         """``device``: ``cpu``, or ``cuda``: the GPU Ray assigned this worker, named as ``gpu_pool`` says
         (``grpo.process.ray_placement.worker_gpu``)."""
         from tensordict import set_list_to_stack
@@ -53,29 +78,25 @@ class RolloutWorker:
         from grpo.inference.engine import make_inference
         from grpo.process.setup import seed_everything
         from grpo.tasks.envs import make_collector, make_env
-        from grpo.tasks.settings import TaskSettings
         from grpo.tasks.tool_env import make_turn_env
         from grpo.training.models import configure_torch, load_tokenizer
 
         set_list_to_stack(True).set()
         quiet_libraries()  # Ray forwards a worker's output to the driver's console, through its progress bar
-        cfg = OmegaConf.create(cfg_dict)
-        seed_everything(cfg.seed + 1000 * (worker_id + 1))  # different samples per worker
+        engine, task, rollout = settings.engine, settings.task, settings.rollout
+        seed_everything(engine.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
-        if device == "cuda" and cfg.inference_model.backend == "vllm":
+        if device == "cuda" and engine.backend == "vllm":
             self.device = torch_device = see_only(torch_device)
         self._own_gpu_current()
         configure_torch(on_gpu=device == "cuda")
-        tokenizer = load_tokenizer(cfg.model.name)
+        tokenizer = load_tokenizer(engine.model_name)
         # the engine loads model.name itself (vLLM: no transformers model at all); the trainer's weights,
         # pending below, replace its weights before the first batch
-        self.inference = make_inference(EngineSettings.from_config(cfg), None, tokenizer, device=torch_device,
-                                        stop_ids=stop_ids)
-        task = TaskSettings.from_config(cfg)
+        self.inference = make_inference(engine, None, tokenizer, device=torch_device, stop_ids=stop_ids)
         self.inference.turn_env = make_turn_env(task, tokenizer)
-        self.env = make_env(task, tokenizer, split=task.train_split, repeats=cfg.env.repeats,
-                            num_envs=cfg.env.num_envs)
-        self.collector = make_collector(self.env, self.inference.policy, cfg.env.num_envs)
+        self.env = make_env(task, tokenizer, split=task.train_split, repeats=rollout.repeats, num_envs=rollout.num_envs)
+        self.collector = make_collector(self.env, self.inference.policy, rollout.num_envs)
         self.batches = iter(self.collector)
         self._lock = threading.Lock()
         self._pending = (receive(weights, torch_device), version, checksum)  # the trainer's weights at its start
@@ -143,28 +164,29 @@ class RolloutPool:
     """Starts the workers, assigns them prompt batches, hands the trainer their replies, pushes
     weights, and replaces workers that fail."""
 
-    def __init__(self, cfg, devices: list[torch.device], stop_ids: list[int], ledger: PromptLedger, weights,
-                 version: int):
+    def __init__(self, settings: PoolSettings, devices: list[torch.device], stop_ids: list[int], ledger: PromptLedger,
+                 weights, version: int):
         """``weights``: what the workers start from (``Trainer.engine_weights``)."""
-        self.cfg, self.ledger = cfg, ledger
-        self.batches_per_step = env_batches_per_draw(cfg)
-        self.capacity = cfg.train.buffer_size + cfg.train.num_collectors  # batches assigned and not yet taken
-        self.weights_dtype = torch_dtype(cfg.inference_model.dtype, torch.device(devices[0]))
+        self.settings, self.ledger = settings, ledger
+        workers = settings.ray.num_collectors
+        self.batches_per_step = env_batches_per_draw(settings.rollout)
+        self.capacity = settings.buffer_size + workers  # batches assigned and not yet taken
+        self.weights_dtype = torch_dtype(settings.engine.dtype, torch.device(devices[0]))
         on_gpus = devices[0].type == "cuda"
         # a local Ray's GPUs are the inference GPUs in order (ray_placement.local_ray_resources); a cluster's its nodes'
-        gpu_pool = [d.index for d in devices] if on_gpus and cfg.ray.address is None else None
-        self._worker_args = (OmegaConf.to_container(cfg, resolve=True), devices[0].type, gpu_pool, stop_ids)
+        gpu_pool = [d.index for d in devices] if on_gpus and settings.ray.address is None else None
+        self._worker_args = (settings, devices[0].type, gpu_pool, stop_ids)
         # one GPU each, which Ray assigns; workers that outnumber the GPUs share them, as evenly as whole workers go
         self._worker_resources = {"num_cpus": 1} | (
-            {"num_gpus": gpu_share(cfg.train.num_collectors, len(devices))} if on_gpus else {})
+            {"num_gpus": gpu_share(workers, len(devices))} if on_gpus else {})
         snapshot = self._snapshot(as_state_dict(weights))
         # GPU to GPU where the workers share this host (Ray's one node), else through the object store
         # a vLLM worker sees its own GPU alone (ray_placement.see_only), so not the trainer's tensors' GPU
         self.cuda_ipc = (one_host() and all(t.is_cuda for t in snapshot.values()) and on_gpus
-                         and cfg.inference_model.backend != "vllm")
+                         and settings.engine.backend != "vllm")
         self._weights = PublishedWeights(snapshot, version, self.cuda_ipc)  # what a (re)started worker begins with
         self.pushed_version = version
-        self.workers = [self._start_worker(i) for i in range(cfg.train.num_collectors)]
+        self.workers = [self._start_worker(i) for i in range(workers)]
         self.assigned: list[tuple[ray.ObjectRef, int, int]] = []  # (replies, worker, batch index), in assignment order
         self.taken: list[int] = []  # batch indices the step in progress took (trained or dropped)
         self.restarts = 0
@@ -180,16 +202,16 @@ class RolloutPool:
         self._assign()
 
     def _start_worker(self, worker_id: int):
-        cfg_dict, device, gpu_pool, stop_ids = self._worker_args
+        settings, device, gpu_pool, stop_ids = self._worker_args
         runtime_env = {"env_vars": {"PYTHONPATH": ray_pythonpath(),
                                     # workers address GPUs by the allocation's logical ids, as the trainer does: CUDA
                                     # IPC handles name the device by its index
                                     **SAME_GPU_IDS,
                                     # read by the worker's first vLLM import, before its engine starts
-                                    "VLLM_LOGGING_LEVEL": self.cfg.inference_model.vllm_log_level}}
+                                    "VLLM_LOGGING_LEVEL": self.settings.engine.vllm_log_level}}
         published = self._weights
         return RolloutWorker.options(**self._worker_resources, runtime_env=runtime_env).remote(
-            cfg_dict, worker_id, device, gpu_pool, stop_ids, published.message(), published.version,
+            settings, worker_id, device, gpu_pool, stop_ids, published.message(), published.version,
             published.checksum)
 
     def _assign(self) -> None:
@@ -213,7 +235,7 @@ class RolloutPool:
         """A push every ``train.weight_update_frequency`` optimiser steps (``grpo.rollout.local_rollouts``: what a
         rollout source does); ``weights()``: the policy, or its whole weights gathered over the trainer's ranks
         (``Trainer.engine_weights``), asked only when a push is due."""
-        if version - self.pushed_version < self.cfg.train.weight_update_frequency:
+        if version - self.pushed_version < self.settings.weight_update_frequency:
             return {}
         self.pushed_version = version
         return {"weight_sync_s": self.push_weights(as_state_dict(weights()), version=version)}
@@ -250,7 +272,7 @@ class RolloutPool:
             for key in GENERATION_STATS:
                 self._since_metrics[key] += stats[key]
             lag = trainer_version - version
-            if lag > self.cfg.train.max_policy_lag:
+            if lag > self.settings.max_policy_lag:
                 self.dropped_batches += 1
                 self.dropped_replies += stats["replies"]
                 continue
@@ -266,7 +288,7 @@ class RolloutPool:
         ray.kill(self.workers[worker], no_restart=True)
         if isinstance(err, ray.exceptions.RayTaskError):
             say(str(err), file=sys.stderr)  # the worker's traceback: what the user needs to fix a raise
-        limit = self.cfg.train.max_worker_restarts
+        limit = self.settings.max_worker_restarts
         if self.restarts >= limit:
             raise RolloutWorkersLost(f"rollout worker {worker} failed ({failure_reason(err)}) with the run's "
                                      f"train.max_worker_restarts={limit} restart(s) used up; see why above (out of "

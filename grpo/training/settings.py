@@ -15,6 +15,7 @@ class ModelSettings:
     name: str                       # model.name: hub name or local folder; the reference starts from it too
     policy_dtype: str               # train_model.dtype: the trained weights' on a GPU (CPU: float32)
     reference_dtype: str            # ref_model.dtype: the reference's on a GPU (CPU: float32)
+    reference: bool                 # train.use_kl_to_ref: a frozen reference is loaded beside the policy
     lora: bool                      # train LoRA adapters instead of all weights
     lora_r: int                     # adapter rank
     lora_alpha: int                 # adapter scaling numerator (scale = alpha / r)
@@ -27,7 +28,8 @@ class ModelSettings:
     def from_config(cls, cfg) -> ModelSettings:
         train, lora = cfg.train_model, cfg.train_model.lora
         return cls(name=cfg.model.name, policy_dtype=train.dtype, reference_dtype=cfg.ref_model.dtype,
-                   lora=lora.enabled, lora_r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                   reference=cfg.train.use_kl_to_ref, lora=lora.enabled, lora_r=lora.r, lora_alpha=lora.alpha,
+                   lora_dropout=lora.dropout,
                    lora_target_modules=lora.target_modules, gradient_checkpointing=train.gradient_checkpointing,
                    # a checkpoint's config from before the key (2026-11-26) still exports: all layers recomputed then
                    checkpoint_fraction=train.get("checkpoint_fraction", 1.0))
