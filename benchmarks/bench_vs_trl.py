@@ -5,6 +5,7 @@
     python benchmarks/bench_vs_trl.py --device cuda --random-init-shape qwen2.5-0.5b \\
         --steps 8 --max-new-tokens 256 --eval-problems 64 --out gpu.json           # GPU speed run
     python benchmarks/bench_vs_trl.py --only ours ...                            # one side only
+    python benchmarks/bench_vs_trl.py --train-minutes 15 --steps 1000 ...          # the same clock for both sides
 
 Each side runs in its own child process, one after the other, so that peak memory is per side:
 (a) ours: ``python grpo/grpo.py --config-name grpo_tiny hydra.run.dir=<tmp> key=value ...``
@@ -117,6 +118,9 @@ def parse_args(argv=None):
     p.add_argument("--model", default="assets/tiny-model", help="local model folder")
     p.add_argument("--data", default="data/gsm8k_tiny", help="GSM8K-format data: folder of train/test.jsonl")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps (generation batches) per side")
+    p.add_argument("--train-minutes", type=float, default=None,
+                   help="the same clock for both: each side stops once its steps took this many minutes (ours: "
+                        "train.max_minutes), evaluated there; --steps stays the cap")
     p.add_argument("--repeats", type=int, default=8, help="replies per prompt (group size)")
     p.add_argument("--prompts-per-step", type=int, default=8, help="prompts per GRPO step")
     p.add_argument("--max-new-tokens", type=int, default=24, help="reply length cap (rollouts and eval)")
@@ -186,6 +190,7 @@ def build_spec(args, workdir: Path) -> dict:
         "dtype": dtype, "gradient_checkpointing": args.gradient_checkpointing,
         "random_init_shape": args.random_init_shape, "eval_every": args.eval_every,
         "eval_problems": args.eval_problems, "eval_batch_size": args.eval_batch_size, "threads": args.threads,
+        "train_minutes": args.train_minutes,
         "ours_overrides": list(args.ours_override), "trl_vllm": args.trl_vllm, "recipe": args.recipe,
         "trl_vllm_memory": args.trl_vllm_memory, "trl_vllm_sleep": args.trl_vllm_sleep,
         "workdir": str(workdir),
@@ -414,8 +419,11 @@ def trl_worker(spec: dict) -> None:
             row = {"step": step, "step_time_s": step_time, **{k_: v for k_, v in cur.items() if k_ != "t0"}}
             row["response_length"] = row.get("completion_tokens", 0) / max(1, row.get("samples", 1))
             steps.append(row)
-            if (spec["eval_every"] and step % spec["eval_every"] == 0) or step == spec["steps"]:
+            out_of_minutes = spec["train_minutes"] and sum(r["step_time_s"] for r in steps) >= 60 * spec["train_minutes"]
+            if (spec["eval_every"] and step % spec["eval_every"] == 0) or step == spec["steps"] or out_of_minutes:
                 self.run_eval(step, model)
+            if out_of_minutes:  # as ours ends under train.max_minutes: after the step that reached it
+                control.should_training_stop = True
 
         def on_log(self, args_, state, control, logs=None, **kw):
             if logs:
@@ -498,6 +506,7 @@ def ours_command(spec: dict) -> list[str]:
         f"eval.batch_size={s['eval_batch_size']}", "logging.progress_bar=false",
         f"train_model.dtype={s['dtype']}", f"ref_model.dtype={s['dtype']}", f"inference_model.dtype={s['dtype']}",
         f"train_model.gradient_checkpointing={str(s['gradient_checkpointing']).lower()}",
+        f"train.max_minutes={s['train_minutes'] if s.get('train_minutes') else 'null'}",
     ]
     return [sys.executable, "grpo/grpo.py", "--config-name", "grpo_tiny", *over, *s.get("ours_overrides", [])]
 
@@ -650,7 +659,8 @@ def print_report(results: dict) -> None:
         line("peak CUDA allocated MiB", lambda s: s["peak_cuda_mb"], "peak_cuda", "{:.0f}")
     line("reward step 1 / last 5 steps", lambda s: f"{s['reward_first']:.3f} / {s['reward_last5']:.3f}")
     line("greedy accuracy start", lambda s: s["accuracy_start"])
-    line(f"greedy accuracy step {results['spec']['steps']}", lambda s: s["accuracy_final"], "accuracy_final")
+    ends = list(dict.fromkeys(str(results[side].get("accuracy_final_step")) for side in ("ours", "trl") if side in results))
+    line(f"greedy accuracy step {' / '.join(ends)}", lambda s: s["accuracy_final"], "accuracy_final")  # each side's last
     line("training time s (sum of steps)", lambda s: s["train_time_s"], None, "{:.1f}")
     line("eval time s (excluded)", lambda s: s["eval_time_s"], None, "{:.1f}")
     line("process wall s (all included)", lambda s: s["process_wall_s"], None, "{:.1f}")

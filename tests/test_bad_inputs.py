@@ -341,6 +341,8 @@ CASES = [
     case("total_steps-negative", config("train.total_steps=-1"), ConfigError, "train.total_steps=-1", ">= 0",
          "0 = evaluate only"),
     case("export-not-a-bool", config("logging.export=maybe"), ConfigError, "logging.export='maybe'", "true or false"),
+    case("max_minutes-zero", config("train.max_minutes=0"), ConfigError, "train.max_minutes=0", "> 0", "or null"),
+    case("max_minutes-text", config("train.max_minutes=soon"), ConfigError, "train.max_minutes='soon'", "> 0"),
 ]
 
 

@@ -136,3 +136,25 @@ def test_total_steps_0_evaluates_model_name(tmp_path, tiny_model_dir):
     weights = run.trainer.policy_model.state_dict()
     assert all(torch.equal(weights[name], tensor) for name, tensor in original.items())
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "export").exists()
+
+
+def test_max_minutes_ends_the_run_as_finished_and_a_resume_counts_the_minutes_already_trained(tmp_path):
+    """train.max_minutes: the run ends once its steps have taken that long (6 ms here: after the first step), with the
+    last step evaluated, checkpointed and exported; a resumed run counts the steps trained before it."""
+    from conftest import train_in_process
+
+    run_dir = tmp_path / "run"
+    run = train_in_process(run_dir, [*SHORT_RUN, "train.total_steps=4", "train.max_minutes=0.0001"])
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert (run.step, run.out_of_minutes) == (1, True)
+    assert [r["step"] for r in rows if "step_time_s" in r] == [1]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1]  # eval.frequency=0: the start and the last step
+    assert (run_dir / "checkpoints" / "step_00000001.json").is_file() and (run_dir / "export" / "config.json").is_file()
+
+    again = train_in_process(tmp_path / "again", [*SHORT_RUN, "train.total_steps=4", "train.max_minutes=0.0001",
+                                                  f"resume={run_dir}"])
+    assert (again.step, again.out_of_minutes) == (1, True)  # its minutes were spent before the resume
+    longer = train_in_process(tmp_path / "longer", [*SHORT_RUN, "train.total_steps=4", "train.max_minutes=null",
+                                                    f"resume={run_dir}"])
+    assert (longer.step, longer.out_of_minutes) == (4, False)
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "step_time_s" in r] == [1, 2, 3, 4]

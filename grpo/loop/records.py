@@ -51,7 +51,9 @@ class RunRecords:
         self.checkpoint_dir, self.keep_last = run_dir / settings.checkpoint_dir, settings.keep_last
         self.last_checkpoint, self.room = last_checkpoint, room
         self.trackers = settings.trackers  # where the summary points
-        self.best = BestCheckpoint(settings.keep_best, run_dir, read_metrics(logger.path))
+        rows = read_metrics(logger.path)  # a resumed run's, up to its checkpoint
+        self.best = BestCheckpoint(settings.keep_best, run_dir, rows)
+        self.train_seconds = sum(row.get("step_time_s", 0.0) for row in rows)  # the clock train.max_minutes reads
         self.export_dir: Path | None = None  # written when the run finishes
         self.postfix: dict = {}  # the progress bar's: the last step's reward and KL
         self.graphs_before = 0  # graphs_compiled() when the step started
@@ -63,6 +65,7 @@ class RunRecords:
 
     def log_step(self, step: int, metrics: dict, t0: float) -> None:
         metrics["step_time_s"] = time.perf_counter() - t0
+        self.train_seconds += metrics["step_time_s"]
         # a step that compiled says so (an eval's compiles fall between steps, in neither): the real 0.5B's train
         # part took 11-12 s instead of 1.5 s on 2 of 8 steps
         metrics["graphs_compiled"] = graphs_compiled() - self.graphs_before

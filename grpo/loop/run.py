@@ -72,6 +72,7 @@ class Run:
     resume_payload: dict | None
     eval_only: bool             # train.total_steps=0: evaluate model.name or resume='s checkpoint, train nothing
     step: int = 0
+    out_of_minutes: bool = False  # train.max_minutes ended the run before train.total_steps
 
     @property
     def run_dir(self) -> Path:
@@ -277,12 +278,19 @@ def train_loop(run: Run, source) -> Run:
 
 
 def steps(run: Run):
-    """The steps left, under a progress bar; a stop signal ends the run at a step boundary."""
+    """The steps left, under a progress bar; a stop signal ends the run at a step boundary, and so does
+    ``train.max_minutes`` once the steps (a resumed run's before too) have taken that long."""
     settings = run.record_settings
     bar = tqdm(range(run.step + 1, settings.total_steps + 1), desc="GRPO", unit="step",
                disable=not settings.progress_bar, dynamic_ncols=True)
     bar.set_postfix_str("the first step: generating, scoring, training (its compiles make it the slowest)")
     for step in bar:
+        if settings.max_minutes is not None and run.records.train_seconds >= 60 * settings.max_minutes:
+            bar.close()
+            run.out_of_minutes = True
+            say(f"train.max_minutes={settings.max_minutes} reached after step {run.step} "
+                f"({run.records.train_seconds / 60:.2f} minutes of steps): the run ends there, as finished")
+            return
         run.step = step
         with profile_to(str(run.run_dir), step) if step == settings.profile_step else contextlib.nullcontext():
             yield step
@@ -300,7 +308,7 @@ def guard(run: Run, source):
     records, trainer, exit_code, ended = run.records, run.trainer, 1, None
     try:
         yield
-        run.evaluate_if_due()
+        run.evaluate_if_due(force=run.out_of_minutes)  # the last step is always evaluated
         if not run.eval_only:
             run.checkpoint_if_due(source.state, force=True)
             if run.record_settings.export:

@@ -25,6 +25,7 @@ class RecordSettings:
     keep_best: bool                 # the best held-out eval's weights kept in <run dir>/best/
     checkpoint_frequency: int       # GRPO steps between checkpoints; 0: only at the end
     total_steps: int                # the run's last step, where its final checkpoint is written
+    max_minutes: float | None       # or the run ends once its steps have taken this long (resumed runs included)
     export: bool                    # the end of a run writes <run dir>/export
     samples_every: int              # GRPO steps between shown replies; 0: never
     samples_count: int              # prompts shown each time
@@ -38,6 +39,7 @@ class RecordSettings:
                    wandb_entity=wandb.entity, wandb_mode=wandb.mode, checkpoint_dir=logging.checkpoint_dir,
                    keep_last=logging.keep_last, keep_best=logging.keep_best,
                    checkpoint_frequency=cfg.train.checkpoint_frequency, total_steps=cfg.train.total_steps,
+                   max_minutes=cfg.train.get("max_minutes"),
                    export=logging.export, samples_every=logging.samples_every, samples_count=logging.samples_count,
                    progress_bar=logging.progress_bar, profile_step=logging.profile_step)
 
