@@ -243,9 +243,8 @@ class VLLMInference(EnginePolicies):
         if device.type == "cuda" and (device.index or 0) != 0:
             raise ConfigError(
                 f"inference_model.backend=vllm runs vLLM in-process, which always uses the first visible GPU "
-                f"(cuda:0); this engine was placed on {device}. Put the GPU that runs it first: sync, "
-                f"inference_model.devices=[0]; async, the eval engine runs on the train GPU: train_model.devices=[0] "
-                f"(its rollout workers see their own GPU alone). Or set inference_model.backend=transformers.")
+                f"(cuda:0); generation was placed on {device}. Put the inference GPU first (inference_model.devices="
+                f"[0]), or set inference_model.backend=transformers.")
         self.dtype = torch_dtype(im.dtype, device)
         is_cpu = device.type == "cpu"
         # the trainer scores the tempered distribution before top-k/top-p (grpo.inference.sampling): vLLM's "processed"

@@ -15,7 +15,7 @@ import contextlib
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -165,6 +165,9 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     else:
         write_hydra_record(run_dir, task_config)
     models, engine_settings = ModelSettings.from_config(cfg), EngineSettings.from_config(cfg)
+    if dedicated_inference:  # rollouts come from workers: this engine only evaluates, on the train GPU, through our
+        # decode loop over the policy's own weights (a vLLM engine here held a copy and half that GPU: 71 GB of an H200)
+        engine_settings = replace(engine_settings, backend="transformers")
     if eval_only:
         print(f"train.total_steps=0: evaluating {last_checkpoint[1] if payload else models.name} only, "
               f"into {run_dir}", flush=True)
@@ -174,7 +177,7 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
     check_prompt_text(task, tokenizer, splits)
     # before the engine: a trainer over several ranks shards the policy, and the engine then keeps its own copy
     say(f"loading {models.name}: the policy{', its frozen reference' if models.reference else ''} and "
-        f"the {engine_settings.backend} engine")
+        f"the {engine_settings.backend} {'eval ' if dedicated_inference else ''}engine")
     world = World.from_env()
     trainer = make_trainer(models, TrainerSettings.from_config(cfg), tokenizer, devices, world)
     world.lead("start", cfg, devices)  # the other ranks build the same trainer from the config (``follow_run``)
