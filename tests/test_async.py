@@ -300,3 +300,27 @@ def test_pool_replaces_a_worker_killed_with_ray_kill():
         assert ledger.state() == {"next_batch": 6 + pool.capacity, "pending": list(range(6, 6 + pool.capacity))}
     finally:
         ray.shutdown()
+
+
+def test_a_worker_that_cannot_start_ends_the_run_with_its_one_line_and_no_restart(tmp_path):
+    """A user error in a worker's start (here a model folder its node lacks) would fail every restart the same way:
+    Ray restarted a worker whose __init__ raised (3 times, ~100 lines of Ray's stacks), so the first batch raises it."""
+    from grpo.process.errors import ModelLoadError
+    from grpo.process.setup import ray_pythonpath
+    from grpo.rollout.ray_collectors import PoolSettings, RolloutPool
+    from grpo.training.models import inference_state_dict, load_causal_lm, load_tokenizer, stop_token_ids
+
+    cfg = compose("grpo_tiny", SMALL + EXACT + [f"model.name={tmp_path / 'not_on_this_node'}"])
+    tokenizer = load_tokenizer(str(TINY_MODEL))
+    model = load_causal_lm(str(TINY_MODEL), tokenizer, dtype=torch.float32, device=torch.device("cpu"))
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}})
+    try:
+        pool = RolloutPool(PoolSettings.from_config(cfg), [torch.device("cpu")],
+                           stop_token_ids(tokenizer, model.generation_config), PromptLedger(),
+                           inference_state_dict(model), version=0)
+        with pytest.raises(ModelLoadError, match="not_on_this_node': no such folder"):
+            pool.next_rollouts(trainer_version=0)
+        assert pool.restarts == 0
+    finally:
+        ray.shutdown()

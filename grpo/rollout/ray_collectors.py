@@ -73,6 +73,15 @@ class RolloutWorker:
                  stop_ids: list[int], weights, version: int, checksum: int):
         """``device``: ``cpu``, or ``cuda``: the GPU Ray assigned this worker, named as ``gpu_pool`` says
         (``grpo.process.ray_placement.worker_gpu``)."""
+        quiet_libraries()  # Ray forwards a worker's output to the driver's console, through its progress bar
+        self.start_error: UserError | None = None
+        try:
+            self._start(settings, worker_id, device, gpu_pool, stop_ids, weights, version, checksum)
+        except UserError as err:  # bad config or data (a model folder this node lacks): Ray restarts a worker whose
+            self.start_error = err  # __init__ raised, so the first batch raises it: the run ends with its one line
+
+    def _start(self, settings: PoolSettings, worker_id: int, device: str, gpu_pool: list[int] | None,
+               stop_ids: list[int], weights, version: int, checksum: int) -> None:
         from tensordict import set_list_to_stack
 
         from grpo.inference.engine import make_inference
@@ -82,7 +91,6 @@ class RolloutWorker:
         from grpo.training.models import configure_torch, load_tokenizer
 
         set_list_to_stack(True).set()
-        quiet_libraries()  # Ray forwards a worker's output to the driver's console, through its progress bar
         engine, task, rollout = settings.engine, settings.task, settings.rollout
         seed_everything(engine.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
@@ -105,6 +113,8 @@ class RolloutWorker:
     def set_weights(self, weights, version: int, checksum: int) -> None:
         """New weights (``grpo.inference.weight_transfer``), applied before the next batch; returns once they are
         this worker's own copy, while a batch may be generating."""
+        if self.start_error is not None:
+            return
         self._own_gpu_current()
         weights = receive(weights, self.device)
         with self._lock:
@@ -114,6 +124,8 @@ class RolloutWorker:
     def generate(self, batch_index: int) -> tuple[Replies, int, dict]:
         """Replies to stream batch ``batch_index``, the weights version that wrote them, and this call's stats.
         ``Replies``, not the collector's tensordict: pickling that for Ray held the trainer up (replies.py)."""
+        if self.start_error is not None:
+            raise self.start_error
         stats = dict.fromkeys(GENERATION_STATS, 0.0) | {"pushes_verified": 0, "pushes_mismatched": 0}
         stats["idle_s"] = time.perf_counter() - self._idle_since
         self._own_gpu_current()
