@@ -14,8 +14,8 @@ from grpo.tasks.data import PromptStream, data_primer
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_tokenizer
-from test_ranks import STEPS, all_gone, assert_same_weights, command, kill_after_step_2_checkpoint, run, trained, \
-    trained_here
+from test_ranks import STEPS, all_gone, assert_same_weights, command, kill_after_step_2_checkpoint, one_rank_steps, \
+    run, trained
 
 EVERY_RANK_GENERATES = ["inference_model.num_devices=2"]
 
@@ -24,8 +24,8 @@ EVERY_RANK_GENERATES = ["inference_model.num_devices=2"]
 def runs(tmp_path_factory):
     """4 steps from seed 0, checkpointed at step 2: one rank, and two ranks each generating its share (the ranks
     started by rank 0 itself): (steps' metrics, exported weights, run dir) each."""
-    one, two = tmp_path_factory.mktemp("one"), tmp_path_factory.mktemp("two_generating")
-    return {1: (*trained_here(one, STEPS), one),  # in-process: the reference, not under test
+    two = tmp_path_factory.mktemp("two_generating")
+    return {1: one_rank_steps(tmp_path_factory),  # in-process: the reference, not under test; test_ranks.py's too
             2: (*trained(two, [*STEPS, *EVERY_RANK_GENERATES], ranks=2, torchrun=False), two)}
 
 

@@ -3,9 +3,11 @@
 never stopped; stop together on a user error; and rank 0's followers end when it is killed."""
 
 import contextlib
+import fcntl
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -97,12 +99,32 @@ def trained_here(run_dir, overrides):
     return {r["step"]: r for r in rows if "reward" in r}, load_file(run_dir / "export" / "model.safetensors")
 
 
+def one_rank_steps(tmp_path_factory):
+    """``trained_here``'s run of ``STEPS`` and its run dir, trained once for the whole test session: this file's
+    reference and test_rank_generation.py's, the same run, which under xdist's workers found on the disk they share
+    (the first to need it trains it, under a lock; the run dir is only read after). Tests must leave it as it is."""
+    shared = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        shared = shared.parent  # the session's folder, above each worker's own
+    run_dir, done = shared / "one-rank-steps", shared / "one-rank-steps.done"
+    with open(shared / "one-rank-steps.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(run_dir, ignore_errors=True)  # a run of a worker that failed midway
+            run_dir.mkdir()
+            trained_here(run_dir, STEPS)
+            done.touch()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "reward" in r}, load_file(run_dir / "export" / "model.safetensors"), run_dir
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """4 steps from seed 0, checkpointed at step 2, on 1 rank (in-process) and on 2 (torchrun): (steps' metrics,
-    exported weights) each."""
-    runs = {ranks: tmp_path_factory.mktemp(f"ranks{ranks}") for ranks in (1, 2)}
-    return {1: trained_here(runs[1], STEPS), 2: trained(runs[2], STEPS, 2)} | {"dirs": runs}
+    """4 steps from seed 0, checkpointed at step 2, on 1 rank (in-process, ``one_rank_steps``) and on 2 (torchrun):
+    (steps' metrics, exported weights) each."""
+    *one, one_dir = one_rank_steps(tmp_path_factory)
+    runs = {1: one_dir, 2: tmp_path_factory.mktemp("ranks2")}
+    return {1: tuple(one), 2: trained(runs[2], STEPS, 2)} | {"dirs": runs}
 
 
 def assert_same_weights(got: dict, expected: dict) -> None:

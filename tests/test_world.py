@@ -150,8 +150,9 @@ TWO_RANKS_WITH = [(), ("train_model.reshard_after_forward=false",), ("train_mode
 
 @pytest.fixture(scope="module")
 def world_runs(setup, tmp_path_factory):  # noqa: F811 - the imported fixture
-    """Every job of the tests below, on the same rollouts, in 3 spawns (one rank, two, one) rather than one spawn a
-    job. One rank, then two: the engine beside the policy (``engine{1,2}.pt``); 3 steps checkpointed at step 3 and
+    """Every job of the tests below, on the same rollouts, in 3 rounds (one rank, two, one) rather than one spawn a
+    job: the one-rank rounds in this process, the two-rank one spawned. One rank, then two: the engine beside the
+    policy (``engine{1,2}.pt``); 3 steps checkpointed at step 3 and
     trained on to step 4 (``ranks{1,2}.pt``, ``ckpt{1,2}``, default FSDP2 settings); on two, the one-rank checkpoint
     resumed (``resumed_by2.pt``) and 3 steps with each of ``TWO_RANKS_WITH``'s settings (``ranks2_with{i}.pt``,
     compiled last); then on one, the two-rank checkpoint resumed (``resumed_by1.pt``). ``result(name)`` loads one."""
@@ -161,8 +162,21 @@ def world_runs(setup, tmp_path_factory):  # noqa: F811 - the imported fixture
     torch.save(Replies.from_collector(rollouts), rollouts_file)
 
     def spawn(size: int, plan: list) -> None:
-        mp.spawn(jobs, nprocs=size, args=(size, free_port(), cfg.model.name, cfg.env.dataset, str(rollouts_file),
-                                          plan))
+        args = (size, free_port(), cfg.model.name, cfg.env.dataset, str(rollouts_file), plan)
+        if size > 1:
+            mp.spawn(jobs, nprocs=size, args=args)
+            return
+        # a world of one joins no process group: its jobs run here, sparing a new process's ~9 s of imports (twice),
+        # with the variables rank_trainer sets, the thread count and the RNG put back after
+        threads, variables = torch.get_num_threads(), ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        before = {name: os.environ.get(name) for name in variables}
+        with torch.random.fork_rng():
+            try:
+                jobs(0, *args)
+            finally:
+                torch.set_num_threads(threads)
+                for name, value in before.items():
+                    os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
     def out(name: str) -> str:
         return str(tmp_path / name)
