@@ -66,6 +66,12 @@ class PoolSettings:
                    weight_update_frequency=train.weight_update_frequency,
                    max_worker_restarts=train.max_worker_restarts)
 
+    @property
+    def worker_sees_own_gpu_only(self) -> bool:
+        """In-process vLLM runs on cuda:0 of what its process sees, so a vLLM worker sees its own GPU alone
+        (``ray_placement.see_only``), and so not the trainer's tensors' GPU that CUDA IPC hands over."""
+        return self.engine.backend == "vllm"
+
 
 @ray.remote(concurrency_groups={"generate": 1})  # batches one at a time; weights arrive on another thread meanwhile
 class RolloutWorker:
@@ -94,7 +100,7 @@ class RolloutWorker:
         engine, task, rollout = settings.engine, settings.task, settings.rollout
         seed_everything(engine.seed + 1000 * (worker_id + 1))  # different samples per worker
         self.device = torch_device = assigned_gpu(gpu_pool) if device == "cuda" else torch.device(device)
-        if device == "cuda" and engine.backend == "vllm":
+        if device == "cuda" and settings.worker_sees_own_gpu_only:
             self.device = torch_device = see_only(torch_device)
         self._own_gpu_current()
         configure_torch(on_gpu=device == "cuda")
@@ -193,9 +199,8 @@ class RolloutPool:
             {"num_gpus": gpu_share(workers, len(devices))} if on_gpus else {})
         snapshot = self._snapshot(as_state_dict(weights))
         # GPU to GPU where the workers share this host (Ray's one node), else through the object store
-        # a vLLM worker sees its own GPU alone (ray_placement.see_only), so not the trainer's tensors' GPU
         self.cuda_ipc = (one_host() and all(t.is_cuda for t in snapshot.values()) and on_gpus
-                         and settings.engine.backend != "vllm")
+                         and not settings.worker_sees_own_gpu_only)
         self._weights = PublishedWeights(snapshot, version, self.cuda_ipc)  # what a (re)started worker begins with
         self.pushed_version = version
         self.workers = [self._start_worker(i) for i in range(workers)]
