@@ -272,22 +272,31 @@ def test_a_killed_worker_is_replaced_and_when_restarts_run_out_the_run_checkpoin
     assert sorted(set(range(state["next_batch"])) - set(state["pending"])) == list(range(trained))
 
 
-def test_pool_replaces_a_worker_killed_with_ray_kill():
-    """Straight at the pool: every batch index comes out once, in order, around a ray.kill."""
+@contextlib.contextmanager
+def tiny_pool(overrides: list[str], ledger: PromptLedger):
+    """A ``RolloutPool`` of grpo_tiny (with ``overrides``) on a local Ray, straight at the pool, started from the
+    tiny model's weights; Ray shut down after."""
     from grpo.process.setup import ray_pythonpath
     from grpo.rollout.ray_collectors import PoolSettings, RolloutPool
     from grpo.training.models import inference_state_dict, load_causal_lm, load_tokenizer, stop_token_ids
 
-    cfg = compose("grpo_tiny", SMALL + EXACT + ["train.buffer_size=1"])  # 2 batches ahead: the kill hits one
+    cfg = compose("grpo_tiny", SMALL + EXACT + overrides)
     tokenizer = load_tokenizer(str(TINY_MODEL))
     model = load_causal_lm(str(TINY_MODEL), tokenizer, dtype=torch.float32, device=torch.device("cpu"))
     ray.init(address="local", num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}})
     try:
-        ledger = PromptLedger()
-        pool = RolloutPool(PoolSettings.from_config(cfg), [torch.device("cpu")],
-                           stop_token_ids(tokenizer, model.generation_config), ledger, inference_state_dict(model),
-                           version=0)
+        yield RolloutPool(PoolSettings.from_config(cfg), [torch.device("cpu")],
+                          stop_token_ids(tokenizer, model.generation_config), ledger, inference_state_dict(model),
+                          version=0)
+    finally:
+        ray.shutdown()
+
+
+def test_pool_replaces_a_worker_killed_with_ray_kill():
+    """Straight at the pool: every batch index comes out once, in order, around a ray.kill."""
+    ledger = PromptLedger()
+    with tiny_pool(["train.buffer_size=1"], ledger) as pool:  # 2 batches ahead: the kill hits one
         seen = []
         for step in range(6):
             if step == 2:
@@ -298,29 +307,14 @@ def test_pool_replaces_a_worker_killed_with_ray_kill():
         assert pool.step_metrics()["worker_restarts"] == 1
         assert seen == stream_batches(6)
         assert ledger.state() == {"next_batch": 6 + pool.capacity, "pending": list(range(6, 6 + pool.capacity))}
-    finally:
-        ray.shutdown()
 
 
 def test_a_worker_that_cannot_start_ends_the_run_with_its_one_line_and_no_restart(tmp_path):
     """A user error in a worker's start (here a model folder its node lacks) would fail every restart the same way:
     Ray restarted a worker whose __init__ raised (3 times, ~100 lines of Ray's stacks), so the first batch raises it."""
     from grpo.process.errors import ModelLoadError
-    from grpo.process.setup import ray_pythonpath
-    from grpo.rollout.ray_collectors import PoolSettings, RolloutPool
-    from grpo.training.models import inference_state_dict, load_causal_lm, load_tokenizer, stop_token_ids
 
-    cfg = compose("grpo_tiny", SMALL + EXACT + [f"model.name={tmp_path / 'not_on_this_node'}"])
-    tokenizer = load_tokenizer(str(TINY_MODEL))
-    model = load_causal_lm(str(TINY_MODEL), tokenizer, dtype=torch.float32, device=torch.device("cpu"))
-    ray.init(address="local", num_cpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}})
-    try:
-        pool = RolloutPool(PoolSettings.from_config(cfg), [torch.device("cpu")],
-                           stop_token_ids(tokenizer, model.generation_config), PromptLedger(),
-                           inference_state_dict(model), version=0)
+    with tiny_pool([f"model.name={tmp_path / 'not_on_this_node'}"], PromptLedger()) as pool:
         with pytest.raises(ModelLoadError, match="not_on_this_node': no such folder"):
             pool.next_rollouts(trainer_version=0)
         assert pool.restarts == 0
-    finally:
-        ray.shutdown()

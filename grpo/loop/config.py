@@ -149,7 +149,7 @@ def validate_config(cfg) -> None:
     whole_or_null("ref_model.micro_batch_tokens", "(e.g. 131072) or null (training's micro-batches).")
     need(type(t.total_steps) is int and t.total_steps >= 0, f"train.total_steps={t.total_steps!r} must be a whole "
          "number >= 0 (0 = evaluate only: model.name, or resume='s checkpoint).")
-    minutes = t.get("max_minutes")
+    minutes = t.max_minutes
     need(minutes is None or type(minutes) in (int, float) and minutes > 0, f"train.max_minutes={minutes!r} must be a "
          "number of minutes > 0 (e.g. 15), or null to run train.total_steps.")
     need(isinstance(cfg.resume_allow_changes, bool), f"resume_allow_changes={cfg.resume_allow_changes!r} must be true or "

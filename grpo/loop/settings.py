@@ -39,7 +39,7 @@ class RecordSettings:
                    wandb_entity=wandb.entity, wandb_mode=wandb.mode, checkpoint_dir=logging.checkpoint_dir,
                    keep_last=logging.keep_last, keep_best=logging.keep_best,
                    checkpoint_frequency=cfg.train.checkpoint_frequency, total_steps=cfg.train.total_steps,
-                   max_minutes=cfg.train.get("max_minutes"),
+                   max_minutes=cfg.train.max_minutes,
                    export=logging.export, samples_every=logging.samples_every, samples_count=logging.samples_count,
                    progress_bar=logging.progress_bar, profile_step=logging.profile_step)
 
