@@ -50,6 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="';'-separated ckpt=..,rows=..,tokens=..")
     p.add_argument("--repeats", type=int, default=2, help="timed optimize calls per variant")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logit-chunk-mib", type=int, default=None,
+                   help="the LM head's chunk on a GPU (grpo.training.logprobs.GPU_LOGIT_CHUNK_BYTES), in MiB of logits")
+    p.add_argument("--profile", action="store_true",
+                   help="after each variant's timed calls, one more under torch.profiler: its heaviest GPU kernels, "
+                        "their time by kind and the share of the wall time the GPU was busy")
     return p.parse_args(argv)
 
 
@@ -91,6 +96,46 @@ def synthetic_batch(vocab: int, args, spread: str, pad_id: int):
     return batch, prompt_len, reply_len
 
 
+# kernel name fragments -> kind, first match wins: where a train pass's GPU time goes
+KERNEL_KINDS = (("flash", "attention"), ("fmha", "attention"), ("attention", "attention"), ("gemm", "matmul"),
+                ("cutlass", "matmul"), ("nvjet", "matmul"), ("sm90", "matmul"), ("sm100", "matmul"),
+                ("adam", "optimizer"), ("triton", "fused (compiled)"), ("nccl", "communication"),
+                ("memcpy", "copies"), ("memset", "copies"), ("reduce", "reductions"))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for fragment, kind in KERNEL_KINDS if fragment in low), "other elementwise")
+
+
+def print_kernel_profile(call) -> None:
+    """One ``call`` under torch.profiler: its 25 heaviest GPU kernels, their time summed by kind, and the share of
+    the call's wall time some kernel ran (the rest the GPU waited for the host)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        by_kind[kernel_kind(e.name)] = by_kind.get(kernel_kind(e.name), 0.0) + e.time_range.elapsed_us() / 1e6
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:  # the union of the kernels' intervals (us): overlapping streams count once
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90), flush=True)
+    print(json.dumps({"profiled_wall_s": round(wall, 3), "gpu_busy_share": round(busy / 1e6 / wall, 3),
+                      "kernels": len(kernels),
+                      "gpu_s_by_kind": {k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}),
+          flush=True)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     import torch
@@ -98,12 +143,17 @@ def main(argv=None) -> None:
 
     from bench_vs_trl import build_random_init_model
     from grpo.training.logprobs import ReplyLogProbs, score_replies
-    from grpo.training.models import enable_activation_checkpointing, load_policy_model, load_tokenizer
+    from grpo.training.models import (enable_activation_checkpointing, load_policy_model, load_tokenizer,
+                                      mixed_precision_dtype)
     from grpo.training.settings import ModelSettings, OptimizerSettings
     from grpo.training.step import GRPOSettings, GRPOStep
     from grpo.training.trainer import make_optimizer, make_scheduler
 
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
+    if args.logit_chunk_mib:
+        import grpo.training.logprobs
+
+        grpo.training.logprobs.GPU_LOGIT_CHUNK_BYTES = args.logit_chunk_mib * 2**20
     variants = [parse_variant(v) for v in args.variants.split(";")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_init_model(args.shape, str(REPO / args.tokenizer), Path(tmp) / args.shape, args.seed)
@@ -119,12 +169,14 @@ def main(argv=None) -> None:
         params = sum(p.numel() for p in initial.values()) - initial["model.embed_tokens.weight"].numel()
         base = GRPOSettings.from_config(cfg)
         optim = dataclasses.replace(OptimizerSettings.from_config(cfg), total_optim_steps=10)
-        policy = ReplyLogProbs(model)
+        # autocast as the trainer's (grpo.training.trainer): without it a GPU trains the float32 weights in float32
+        policy = ReplyLogProbs(model, base.temperature,
+                               autocast_dtype=mixed_precision_dtype(cfg.train_model.mixed_precision, model))
         if base.compile:  # once: every variant's step then shares the compiled layers and head
             policy.compile_for_training()
         for spread in args.lengths.split(","):
             batch, prompt_len, reply_len = synthetic_batch(len(tokenizer), args, spread, tokenizer.pad_token_id)
-            batch["behaviour_log_probs"] = score_replies(batch, ReplyLogProbs(model), base).float()  # on-policy
+            batch["behaviour_log_probs"] = score_replies(batch, policy, base).float()  # on-policy
             tokens = int((prompt_len + reply_len).sum())
             objectives = []
             for variant in variants:
@@ -153,6 +205,14 @@ def main(argv=None) -> None:
                         first = metrics["loss_objective"] if first is None else first
                     del optimizer, step
                 objectives.append(first)
+                if args.profile and device.type == "cuda":
+                    with torch.no_grad():
+                        model.load_state_dict(initial)
+                    optimizer = make_optimizer(optim, model)
+                    step = GRPOStep(settings, policy=policy, optimizer=optimizer,
+                                    scheduler=make_scheduler(optim, optimizer), pad_token_id=tokenizer.pad_token_id)
+                    print_kernel_profile(lambda: step.optimize(batch.clone()))
+                    del optimizer, step
                 best = min(times)
                 print(json.dumps({
                     "lengths": spread, "mean_reply": round(float(reply_len.float().mean()), 1), "ckpt": variant["ckpt"],
