@@ -42,7 +42,7 @@ def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_di
     """Served from the same prompt batch, with the same sampling seed, two collections in a row of two env batches
     each hold the same prompts, replies, log-probs, rewards and rows, in the same order, as TorchRL's
     ``LLMCollector`` gives: ours only skips what a one-turn env does not need (the next observation of envs that
-    are all done, and a copy of every step)."""
+    are all done, a copy of every step, and a scan for private keys no env writes)."""
     cfg, tok, model, options = tiny_sampling(tiny_model_dir, tiny_data_dir)
     collected = {}
     for build in (torchrl_collector, make_collector):
@@ -54,7 +54,11 @@ def test_one_turn_collector_yields_what_torchrl_s_collector_yields(tiny_model_di
         collected[type(collector)] = []
         for _ in range(2):
             torch.manual_seed(0)
-            collected[type(collector)].append(Replies.from_collector(next(batches)))
+            batch = next(batches)
+            # no private ("_...") key: ours skips TorchRL's scan that would drop them
+            assert not [key for key in batch.keys(True) if any(part.startswith("_") for part in
+                                                                (key if isinstance(key, tuple) else (key,)))]
+            collected[type(collector)].append(Replies.from_collector(batch))
     assert collected.keys() == {LLMCollector, OneTurnCollector}
     theirs, ours = collected[LLMCollector], collected[OneTurnCollector]
     assert theirs[0].row_index.tolist() != theirs[1].row_index.tolist()  # two different prompt batches
