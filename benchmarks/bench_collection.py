@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """What a rollout collection costs outside the sampler: TorchRL's ``LLMCollector`` loop and ``TransformersWrapper``
-policy against ours (``grpo.tasks.envs.OneTurnCollector``, ``grpo.inference.reply_policy.ReplyPolicy``), in one
+policy against ours (``grpo.tasks.envs.OneTurnCollector``, ``grpo.inference.episode_policy.EpisodePolicy``), in one
 invocation (CPU, one thread; or the model on a GPU).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_collection.py                  # 128 replies x 256 tokens
@@ -66,7 +66,7 @@ def build(args):
 
 def collectors(env, policy, sampler, replies: int) -> dict:
     """TorchRL's collector and policy wrapper, set up as the engine set them up, then ours: collector first, then
-    policy too (``grpo.inference.reply_policy.ReplyPolicy``, since 2026-11-27)."""
+    policy too (``grpo.inference.episode_policy.EpisodePolicy``; its one-turn form since 2026-11-27)."""
     import warnings
 
     from torchrl.collectors.llm import LLMCollector
@@ -81,7 +81,7 @@ def collectors(env, policy, sampler, replies: int) -> dict:
     torchrl.return_same_td = True
     return {"torchrl LLMCollector + TransformersWrapper": iter(torchrl),
             "OneTurnCollector + TransformersWrapper": iter(make_collector(env, wrapper, replies)),
-            "OneTurnCollector + ReplyPolicy": iter(make_collector(env, policy, replies))}
+            "OneTurnCollector + EpisodePolicy": iter(make_collector(env, policy, replies))}
 
 
 def main(argv=None):
