@@ -149,6 +149,9 @@ def test_a_run_scores_its_sampled_batches_early_and_trains_the_same(tmp_path, dy
                                          f"ref_model.score_early={early}"])
         rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "kl_to_ref" in r]
         assert [r["reference_rows_scored_early"] for r in rows] == [1.0 if early else 0.0] * 2
+        # the host's seconds handing the batches over, a part of generation's; none when nothing was handed over
+        assert all(0 < r["reference_queue_s"] < r["generation_s"] if early else r["reference_queue_s"] == 0
+                   for r in rows)
         assert run.trainer.grpo_step.ref.early == []  # the run's last eval (greedy) handed nothing over
         kl[early] = [r["kl_to_ref"] for r in rows]
     assert kl[True][0] < 1e-6

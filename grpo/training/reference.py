@@ -17,6 +17,7 @@ collection 0.16 s slower): it got the GIL only between the collection's own Pyth
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import replace
 
 import torch
@@ -38,13 +39,18 @@ class ReferenceScores:
             settings, micro_batch_size=sys.maxsize, micro_batch_tokens=settings.ref_micro_batch_tokens)
         self.pad_token_id = pad_token_id
         self.early: list[tuple] = []  # each sampled batch's row keys, reply lengths and queued scores
+        # host seconds score_early took, inside the collection (generation_s): queuing the forward should not wait
+        # for the GPU; if it does, this shows it (the step's reference_queue_s)
+        self.queue_s = 0.0
 
     def score_early(self, prompts: list[torch.Tensor], replies: list[torch.Tensor]) -> None:
         """A sampled batch as the engine's policy hands it on, each episode's prompt and token ids: its scores
         queued on the reference's device (every episode token's: the step's mask keeps the sampled ones)."""
+        start = time.perf_counter()
         batch = token_batch(prompts, replies, self.pad_token_id)
         self.early.append((row_keys(batch), batch["reply_length"].tolist(), batch["reply_mask"].shape,
                            queue_scores(batch, self.scorer, self.s)))
+        self.queue_s += time.perf_counter() - start
 
     def __call__(self, batch: TensorDict) -> tuple[torch.Tensor, int]:
         known: dict[tuple, torch.Tensor] = {}

@@ -135,6 +135,7 @@ class GRPOStep:
         if self.ref is not None:
             batch["ref_log_probs"], scored_early = self.ref(batch)
             metrics["reference_rows_scored_early"] = scored_early / batch.batch_size[0]
+            metrics["reference_queue_s"], self.ref.queue_s = self.ref.queue_s, 0.0
             kl = per_sample_kl_to_ref(batch)
             metrics["kl_to_ref"] = kl.mean().item()
             if not self.s.kl_coef_in_loss:
