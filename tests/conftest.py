@@ -38,12 +38,12 @@ set_list_to_stack(True).set()
 # by their number of tests, most first: two of the slowest files came last, one worker idling while the other ran
 # them. Slowest first instead (seconds each took in a full run on 2 cores, rounded); the files not named here, a
 # few seconds each, come after, as collected.
-SLOW_FILES = {"test_ranks.py": 400, "test_async.py": 290, "test_ray_ranks.py": 355, "test_checkpoint.py": 215,
+SLOW_FILES = {"test_ranks.py": 400, "test_async.py": 290, "test_ray_ranks.py": 355, "test_checkpoint.py": 115,
               "test_e2e.py": 200, "test_faults.py": 180, "test_rank_generation.py": 170, "test_user_task.py": 165,
-              "test_world.py": 120, "test_real_model.py": 130, "test_async_placement.py": 95, "test_setup.py": 80,
+              "test_world.py": 120, "test_real_model.py": 145, "test_async_placement.py": 95, "test_setup.py": 80,
               "test_bad_inputs.py": 40, "test_config.py": 36, "test_export.py": 31, "test_emergency_checkpoint.py": 24,
               "test_step.py": 23, "test_run.py": 20, "test_no_step_lost.py": 60, "test_trackers.py": 50,
-              "test_vllm_backend.py": 35, "test_layout.py": 12, "test_e2e_tools.py": 210, "test_real_tools.py": 110}
+              "test_vllm_backend.py": 35, "test_layout.py": 12, "test_e2e_tools.py": 115, "test_real_tools.py": 110}
 
 
 def pytest_configure(config):

@@ -52,8 +52,9 @@ def run(run_dir, *overrides):
 
 
 def train_here(run_dir, *overrides):
-    """``run``'s run, trained in this process (grpo/grpo.py's train): for the uninterrupted runs the resumed ones are
-    compared with, whose launch is not under test (the runs they are compared with are new processes)."""
+    """``run``'s run, trained in this process (grpo/grpo.py's train): for runs whose launch is not under test (the
+    uninterrupted runs the resumed ones are compared with, and the first halves the resumes continue); each resume
+    is a new process."""
     train_in_process(run_dir, [*SMALL, *overrides])
 
 
@@ -74,7 +75,7 @@ def straight(tmp_path_factory):
 
 
 def test_half_then_resume_equals_straight_run(straight, tmp_path):
-    run(tmp_path, "train.total_steps=2", CONSTANT_LR)
+    train_here(tmp_path, "train.total_steps=2", CONSTANT_LR)  # the resume, a new process, is under test
     run(tmp_path / "again", "train.total_steps=4", CONSTANT_LR, f"resume={tmp_path}")  # new hydra dir, continues tmp_path
     a, b = step_rows(straight), step_rows(tmp_path)
     assert sorted(b) == [1, 2, 3, 4]
@@ -103,7 +104,7 @@ def test_dynamic_sampling_half_then_resume_equals_straight_run(tmp_path, draw):
     dynamic = ["train.dynamic_sampling=true", "train.max_extra_generation_batches=2", CONSTANT_LR, *draw,
                "train.total_steps=4"]
     train_here(tmp_path / "straight", *dynamic)
-    run(tmp_path / "half", *dynamic[:-1], "train.total_steps=2")
+    train_here(tmp_path / "half", *dynamic[:-1], "train.total_steps=2")
     run(tmp_path / "again", *dynamic, f"resume={tmp_path / 'half'}")
     a, b = step_rows(tmp_path / "straight"), step_rows(tmp_path / "half")
     assert sorted(b) == [1, 2, 3, 4]
