@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The LM head's per-token log-probs, forward and backward, by our chunked head and by the fused libraries
-issue 67 names, in one invocation: ``token_log_probs``' head (``grpo.training.logprobs.head_log_probs`` over chunks
-of ``LOGIT_CHUNK_BYTES``, each recomputed in backward; eager and compiled, as ``train_model.compile`` runs it),
-liger-kernel's fused linear cross-entropy (``reduction="none"``) and cut-cross-entropy (exact: no gradient filter).
+issue 67 names, in one invocation: ``token_log_probs``' head (``grpo.training.logprobs.chunked_head_log_probs``:
+chunks each recomputed in backward; eager and compiled, as ``train_model.compile`` runs it), liger-kernel's fused
+linear cross-entropy (``reduction="none"``) and cut-cross-entropy (exact: no gradient filter).
 
     python benchmarks/bench_lm_head.py                              # one GPU: 1.5B head, 16,384 reply tokens
     python benchmarks/bench_lm_head.py --device cpu --vocab 4096 --hidden 64 --tokens 512 --impls ours,ours_compiled
@@ -42,22 +42,18 @@ def parse_args(argv=None):
 
 
 def ours(compiled: bool, chunk_mib: int | None = None, with_entropy: bool = False):
-    """Our head as ``token_log_probs`` runs it over flat hidden states: chunks (of ``LOGIT_CHUNK_BYTES`` of float32
-    logits, or ``chunk_mib``), each recomputed in backward; ``with_entropy`` as the training forward (logged, no
-    gradient), which the libraries do not compute."""
-    import torch
-    from torch.utils.checkpoint import checkpoint
-
-    from grpo.training.logprobs import LOGIT_CHUNK_BYTES, head_log_probs
+    """Our head as ``token_log_probs`` runs it (``grpo.training.logprobs.chunked_head_log_probs``): chunks of the
+    device's default size (or ``chunk_mib`` MiB of float32 logits), each recomputed in backward; ``with_entropy`` as
+    the training forward (logged, no gradient), which the libraries do not compute."""
+    from grpo.training.logprobs import chunked_head_log_probs, head_log_probs
     from grpo.training.models import compiled_with_grad
 
     head_fn = compiled_with_grad(head_log_probs) if compiled else head_log_probs
 
     def log_probs(hidden, head, targets, temperature):
-        positions = max(1, (chunk_mib * 2**20 if chunk_mib else LOGIT_CHUNK_BYTES) // (4 * head.weight.shape[0]))
-        chunks = [checkpoint(head_fn, head, hidden[s:s + positions], targets[s:s + positions], temperature,
-                             with_entropy, False, use_reentrant=False)[0] for s in range(0, len(targets), positions)]
-        return torch.cat(chunks)
+        return chunked_head_log_probs(head, hidden, targets, temperature=temperature, with_entropy=with_entropy,
+                                      entropy_grad=False, head_fn=head_fn,
+                                      chunk_bytes=chunk_mib and chunk_mib * 2**20)[0]
 
     return log_probs
 
@@ -85,7 +81,7 @@ IMPLS = {"ours": lambda: ours(False), "ours_compiled": lambda: ours(True), "lige
 
 def impl(name: str):
     """``IMPLS[name]``, or ``ours_compiled:<MiB>[:entropy]``: ours compiled with chunks of that many MiB of float32
-    logits (0: ``LOGIT_CHUNK_BYTES``), computing the entropy too if asked."""
+    logits (0: the device's default), computing the entropy too if asked."""
     if name.startswith("ours_compiled:"):
         fields = name.split(":")
         return ours(True, int(fields[1]), with_entropy=fields[2:] == ["entropy"])

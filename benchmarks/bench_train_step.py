@@ -185,13 +185,18 @@ def main(argv=None) -> None:
                                                micro_batch_size=variant["rows"], micro_batch_tokens=variant["tokens"],
                                                packed_sequences=variant["packed"])
                 policy.packed = variant["packed"]
-                times, first = [], None
-                for call in range(1 + args.repeats):
+
+                def fresh_step() -> GRPOStep:
+                    """The variant's step from the initial weights, with a new optimiser."""
                     with torch.no_grad():
                         model.load_state_dict(initial)
                     optimizer = make_optimizer(optim, model)
-                    step = GRPOStep(settings, policy=policy, optimizer=optimizer,
+                    return GRPOStep(settings, policy=policy, optimizer=optimizer,
                                     scheduler=make_scheduler(optim, optimizer), pad_token_id=tokenizer.pad_token_id)
+
+                times, first = [], None
+                for call in range(1 + args.repeats):
+                    step = fresh_step()
                     torch.manual_seed(args.seed)  # the same minibatches for every variant
                     if device.type == "cuda":
                         torch.cuda.synchronize()
@@ -203,16 +208,12 @@ def main(argv=None) -> None:
                     if call:
                         times.append(time.perf_counter() - t0)
                         first = metrics["loss_objective"] if first is None else first
-                    del optimizer, step
+                    del step
                 objectives.append(first)
                 if args.profile and device.type == "cuda":
-                    with torch.no_grad():
-                        model.load_state_dict(initial)
-                    optimizer = make_optimizer(optim, model)
-                    step = GRPOStep(settings, policy=policy, optimizer=optimizer,
-                                    scheduler=make_scheduler(optim, optimizer), pad_token_id=tokenizer.pad_token_id)
+                    step = fresh_step()
                     print_kernel_profile(lambda: step.optimize(batch.clone()))
-                    del optimizer, step
+                    del step
                 best = min(times)
                 print(json.dumps({
                     "lengths": spread, "mean_reply": round(float(reply_len.float().mean()), 1), "ckpt": variant["ckpt"],

@@ -104,17 +104,28 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
     The rows go through the decoder dense (``[S, P + R]``, pads included) or ``packed`` (their real tokens end to
     end, ``packed_reply_states``). Only the positions that predict a reply token go through the LM head: the
-    prompt positions' logits are never needed. The head runs over chunks of positions, each under activation
-    checkpointing, so at most ``LOGIT_CHUNK_BYTES`` (on a GPU ``GPU_LOGIT_CHUNK_BYTES``) of logits are alive at
-    once, forward or backward; the values are those of one full-width pass. ``entropy_grad=False`` keeps the full-vocabulary entropy out of the autograd
-    graph (then it is only logged). ``head_fn`` computes one chunk's (``head_log_probs``, or its compiled form).
+    prompt positions' logits are never needed; the head runs as ``chunked_head_log_probs``. ``entropy_grad=False``
+    keeps the full-vocabulary entropy out of the autograd graph (then it is only logged). ``head_fn`` computes one
+    chunk's (``head_log_probs``, or its compiled form).
     """
     states = packed_reply_states if packed else dense_reply_states
     flat_hidden, flat_targets, to_rows = states(model, input_ids, attention_mask, width_r)
-    head = model.get_output_embeddings()
+    token_lp, entropy = chunked_head_log_probs(model.get_output_embeddings(), flat_hidden, flat_targets,
+                                               temperature=temperature, with_entropy=with_entropy,
+                                               entropy_grad=entropy_grad, head_fn=head_fn)
+    return to_rows(token_lp), entropy if entropy is None else to_rows(entropy)
+
+
+def chunked_head_log_probs(head, flat_hidden: torch.Tensor, flat_targets: torch.Tensor, *, temperature: float,
+                           with_entropy: bool, entropy_grad: bool, head_fn=None,
+                           chunk_bytes: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The flat targets' log-probs (and entropy) from their flat hidden states, the head run over chunks of positions,
+    each under activation checkpointing, so at most ``chunk_bytes`` (default ``LOGIT_CHUNK_BYTES``, on a GPU
+    ``GPU_LOGIT_CHUNK_BYTES``) of float32 logits are alive at once, forward or backward; the values are those of one
+    full-width pass."""
     entropy_grad = entropy_grad and torch.is_grad_enabled()
     head_fn = head_fn or head_log_probs
-    chunk_bytes = GPU_LOGIT_CHUNK_BYTES if flat_hidden.is_cuda else LOGIT_CHUNK_BYTES
+    chunk_bytes = chunk_bytes or (GPU_LOGIT_CHUNK_BYTES if flat_hidden.is_cuda else LOGIT_CHUNK_BYTES)
     positions = max(1, chunk_bytes // (4 * head.weight.shape[0]))
     # one chunk, or no backward: nothing to save, so no recompute
     recompute = flat_targets.shape[0] > positions and torch.is_grad_enabled()
@@ -124,10 +135,8 @@ def token_log_probs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         args = (head, flat_hidden[start:start + positions], flat_targets[start:start + positions], temperature,
                 with_entropy, entropy_grad)
         chunks.append(checkpoint(head_fn, *args, use_reentrant=False) if recompute else head_fn(*args))
-    token_lp = to_rows(torch.cat([lp for lp, _ in chunks]))
-    if not with_entropy:
-        return token_lp, None
-    return token_lp, to_rows(torch.cat([ent for _, ent in chunks]))
+    token_lp = torch.cat([lp for lp, _ in chunks])
+    return token_lp, torch.cat([ent for _, ent in chunks]) if with_entropy else None
 
 
 def dense_reply_states(model, input_ids, attention_mask, width_r: int):
