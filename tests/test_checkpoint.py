@@ -281,6 +281,37 @@ def test_a_flipped_byte_in_tensor_data_is_detected(tmp_path):
         find_checkpoint(str(latest), experiment_name="x", search_roots=[])
 
 
+def test_the_tensors_digest_is_the_sha256_of_their_blocks_sha256s(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "HASH_BLOCK", 1000)  # the tiny checkpoint spans several blocks, the last one short
+    path = _save(tmp_path, 1)
+    entry = json.loads(path.read_text())["tensors"]
+    data = (tmp_path / entry["file"]).read_bytes()
+    assert len(data) > 3 * 1000 and len(data) % 1000
+    blocks = b"".join(hashlib.sha256(data[i:i + 1000]).digest() for i in range(0, len(data), 1000))
+    assert entry["blocks_sha256"] == hashlib.sha256(blocks).hexdigest() and entry["file"][14:30] == entry["blocks_sha256"][:16]
+
+
+def test_a_checkpoint_with_the_whole_file_sha256_of_earlier_versions_still_loads(tmp_path):
+    path = _save(tmp_path, 1)
+    record = json.loads(path.read_text())
+    del record["tensors"]["blocks_sha256"]
+    tensors = tmp_path / record["tensors"]["file"]
+    record["tensors"]["sha256"] = hashlib.sha256(tensors.read_bytes()).hexdigest()
+    path.write_text(json.dumps(record))
+    assert _same(load_checkpoint(path)["model"], training_state(*_trained(1))["model"])
+    record["tensors"]["sha256"] = hashlib.sha256(b"other bytes").hexdigest()
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        load_checkpoint(path)
+
+
+def test_non_finite_names_the_float_tensors_with_a_nan_or_an_inf():
+    tensors = {"ok": torch.ones(3), "nan": torch.tensor([1.0, float("nan")]), "ints": torch.arange(3),
+               "inf": torch.tensor([-float("inf")], dtype=torch.bfloat16), "also_ok": torch.zeros(2, 2)}
+    assert checkpoint.non_finite(tensors) == ["nan", "inf"]
+    assert checkpoint.non_finite({"ints": torch.arange(2)}) == [] and checkpoint.non_finite({}) == []
+
+
 def test_torn_temp_writes_are_ignored_then_cleaned_up(tmp_path):
     _save(tmp_path, 1)
     # killed while writing step 2: temp files, and tensors renamed into place but never committed by their JSON
