@@ -8,7 +8,8 @@ the way it was done before, in one invocation.
 
 A random-init model of a ``bench_vs_trl`` shape (float32, as the trainer keeps its master weights) and AdamW state
 of its size (two moments a weight, as after a step) are saved by ``grpo.training.checkpoint.save_checkpoint`` and
-loaded back by ``load_checkpoint``. Printed: seconds of the save and the load; the NaN/inf check on the weights
+loaded back by ``load_checkpoint``. Printed: seconds of the save and the load; the save's parts alone (the
+tensors' copy to the host, also into pinned memory on a GPU; the file's write; its fsync); the NaN/inf check on the weights
 where they live (``non_finite``, one reduction a tensor) against the same on their CPU copies (before); the
 file's block digest (``blocks_sha256``, a thread a block) against one sha256 of the whole file (before).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -80,6 +82,32 @@ def main(argv=None) -> None:
                       "non_finite_where_they_live_s": round(check_s, 3), "non_finite_cpu_copies_s": round(check_cpu_s, 3),
                       "blocks_sha256_s": round(blocks_s, 2), "whole_file_sha256_s": round(whole_s, 2),
                       "file_gb": round(tensors_file.stat().st_size / 1e9, 2)}), flush=True)
+    # the save's other parts, each alone: the tensors' copy to the host (as the save makes it, and into pinned
+    # memory, queued), the file's write, its fsync
+    flat = {**{f"model/{k}": t for k, t in weights.items()},
+            **{f"optimizer/{i}/{k}": t for i, st in optimizer.state.items() for k, t in st.items() if t.dim()}}
+    del copies, loaded
+    copy_s, host = seconds(lambda: {k: t.to("cpu", copy=True).contiguous() for k, t in flat.items()}, device)
+    del host
+    pinned_copy_s = None
+    if device.type == "cuda":
+        def pinned():
+            out = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for k, t in flat.items()}
+            for k, t in flat.items():
+                out[k].copy_(t, non_blocking=True)
+            return out
+        pinned_copy_s, host = seconds(pinned, device)
+    else:
+        host = {k: t.to("cpu", copy=True).contiguous() for k, t in flat.items()}
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_s, _ = seconds(lambda: save_file(host, folder / "alone.safetensors"), device)
+    with open(folder / "alone.safetensors", "rb") as f:
+        fsync_s, _ = seconds(lambda: os.fsync(f.fileno()), device)
+    print(json.dumps({"copy_to_host_s": round(copy_s, 2),
+                      "pinned_copy_to_host_s": pinned_copy_s and round(pinned_copy_s, 2),
+                      "write_s": round(write_s, 2), "fsync_s": round(fsync_s, 2)}), flush=True)
     shutil.rmtree(folder, ignore_errors=True)
 
 
