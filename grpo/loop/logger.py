@@ -276,7 +276,7 @@ def plot_metrics(metrics_path: Path, out_png: Path) -> None:
             steps, values, errors = zip(*pts)
             ax.errorbar(steps, values, yerr=None if None in errors else errors, capsize=2,
                         marker="o" if name.startswith("eval/") else None, markersize=4, label=name)
-        ax.set_title(panel[0])
+        ax.set_title(panel[0], y=1.0)  # where matplotlib puts it; placing it itself measured the axes first
         ax.set_xlabel("step")
         if len(panel) > 1:
             ax.legend(fontsize=7)
