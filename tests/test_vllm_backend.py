@@ -378,7 +378,14 @@ def test_vllm_engine_checksum_is_read_back_from_the_engine_and_follows_a_push(mo
 ON_DEMAND = """
 import sys
 
-import grpo.loop.run, grpo.process.ray_placement, grpo.rollout.local_rollouts, grpo.rollout.ray_collectors  # the scripts' imports
+import grpo.loop.run, grpo.rollout.local_rollouts  # the sync script's imports
+print("ray", "ray" in sys.modules)
+import grpo.process.ray_placement, grpo.rollout.ray_collectors  # the async script's
+import ray
+from torchrl.collectors.llm import ray_collector
+from torchrl.data.replay_buffers import ray_buffer
+print("torchrl_ray", ray_buffer._has_ray and ray_collector._has_ray and ray_collector.RAY_ERR is None
+      and ray_buffer.ray.get is ray.get and ray_collector.ray.remote is ray.remote)
 import torch
 from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
@@ -406,9 +413,11 @@ assert replies["vllm"] == replies["transformers"] and all(replies["vllm"])
 def test_vllm_is_imported_only_by_the_vllm_backend(model_dir):
     """A transformers run never imports vLLM (~3.5 s a process, Ray workers included), though TorchRL's LLM modules
     would; a vLLM engine built afterwards in the same process imports it then and generates what transformers
-    does, greedily (TorchRL's wrapper told of vLLM after its import: ``grpo.inference.vllm_import``)."""
+    does, greedily (TorchRL's wrapper told of vLLM after its import: ``grpo.inference.vllm_import``). Likewise the
+    sync script's modules never import Ray, which TorchRL's would, and TorchRL's Ray modules see it once imported."""
     proc = subprocess.run([sys.executable, "-c", ON_DEMAND, model_dir], cwd=REPO, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("transformers ", "vllm "))]  # not vLLM's
     assert [line.split()[:2] for line in lines] == [["transformers", "False"], ["vllm", "True"]], proc.stdout
+    assert "ray False" in proc.stdout.splitlines() and "torchrl_ray True" in proc.stdout.splitlines(), proc.stdout

@@ -42,6 +42,9 @@ from grpo.process.world import World, join_group
 # CUDA_VISIBLE_DEVICES to the GPU it assigned, and the rank's allocated train GPU would not be cuda:<id> there
 SAME_GPU_IDS = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
 MEMORY_MONITOR = "RAY_memory_monitor_refresh_ms"  # 0: a local Ray kills no actor for the node's memory use
+# 0: a local Ray starts no idle Python workers for the first driver: the run's actors each get a process of their own,
+# so those only imported Ray and waited (2 of them, ~0.6 CPU-s each, beside a 2-CPU Ray)
+PRESTART = "RAY_prestart_worker_first_driver"
 TRAINER_GPU = "grpo_trainer_gpu"  # a local Ray's resource for each train GPU of ranks 1..N-1 (its GPUs: inference's)
 LEASE_WAIT_S = 120  # how long rank 0 waits for a GPU of its node to come free in a cluster's Ray
 _driver_lease = None  # in a cluster: (the actor holding rank 0's GPU, its id here), for the Ray session's life
@@ -75,6 +78,8 @@ def ray_session(settings: RaySettings, devices: DeviceAllocation, trainer_actors
     local = local_ray_resources(devices, trainer_actors) if settings.address is None else {}
     if settings.address is None and not settings.kill_on_low_memory:
         os.environ[MEMORY_MONITOR] = "0"  # read by the raylet ray.init starts: its memory monitor never runs
+    if settings.address is None:
+        os.environ.setdefault(PRESTART, "0")  # read by the raylet too
     # "local", not None: None joins whichever cluster this machine ran last (/tmp/ray/ray_current_cluster), even a
     # dead one, where the config asked for a Ray of the run's own
     ray.init(address=settings.address or "local", num_cpus=settings.num_cpus, include_dashboard=False,
