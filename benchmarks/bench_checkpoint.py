@@ -8,10 +8,10 @@ the way it was done before, in one invocation.
 
 A random-init model of a ``bench_vs_trl`` shape (float32, as the trainer keeps its master weights) and AdamW state
 of its size (two moments a weight, as after a step) are saved by ``grpo.training.checkpoint.save_checkpoint`` and
-loaded back by ``load_checkpoint``. Printed: seconds of the save and the load; the save's parts alone (the
-tensors' copy to the host, also into pinned memory on a GPU; the file's write; its fsync); the NaN/inf check on the weights
-where they live (``non_finite``, one reduction a tensor) against the same on their CPU copies (before); the
-file's block digest (``blocks_sha256``, a thread a block) against one sha256 of the whole file (before).
+loaded back by ``load_checkpoint``. Printed, in two lines: seconds of the save and the load, the NaN/inf check on
+the weights where they live (``non_finite``, one reduction a tensor) against the same on their CPU copies (before),
+the file's block digest (``blocks_sha256``, a thread a block) against one sha256 of the whole file (before); then
+the save's other parts alone: the tensors' copy to the host (also into pinned memory on a GPU), the write, its fsync.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def main(argv=None) -> None:
     weights = ckpt.trainable_state_dict(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     for p in model.parameters():
-        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        optimizer.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
     state = {"model": weights, "optimizer": optimizer.state_dict(), "scheduler": {"last_epoch": 1}}
     size = sum(t.numel() * t.element_size() for t in weights.values()) * 3
     print(json.dumps({"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -79,7 +80,8 @@ def main(argv=None) -> None:
     blocks_s, _ = seconds(lambda: ckpt.blocks_sha256(tensors_file), device)
     whole_s, _ = seconds(lambda: ckpt._sha256(tensors_file), device)
     print(json.dumps({"save_s": round(save_s, 2), "load_s": round(load_s, 2),
-                      "non_finite_where_they_live_s": round(check_s, 3), "non_finite_cpu_copies_s": round(check_cpu_s, 3),
+                      "non_finite_where_they_live_s": round(check_s, 3),
+                      "non_finite_cpu_copies_s": round(check_cpu_s, 3),
                       "blocks_sha256_s": round(blocks_s, 2), "whole_file_sha256_s": round(whole_s, 2),
                       "file_gb": round(tensors_file.stat().st_size / 1e9, 2)}), flush=True)
     # the save's other parts, each alone: the tensors' copy to the host (as the save makes it, and into pinned

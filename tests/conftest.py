@@ -12,7 +12,7 @@ from types import SimpleNamespace
 # Tests never reach the Hugging Face hub: everything runs on what the project ships or builds.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-# The Rays tests start themselves (ray.init, a test cluster) start no idle workers either, as the scripts' do
+# The Rays that tests start themselves (ray.init, a test cluster) start no idle workers either, as the scripts' do
 # (grpo.process.ray_placement.PRESTART; not imported here: before torch, below)
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # Under pytest-xdist (-n N) N tests run at once: one thread each, in the workers and in the runs they start

@@ -2,8 +2,8 @@
 states and the resolved config, in a form that cannot run code when loaded.
 
 On disk, ``step_N.json`` holds everything that is not a tensor and names ``step_N.<hash>.safetensors``,
-which holds the tensors, with their digest (``blocks_sha256``). The JSON is written last, by an atomic rename: it is the
-commit, so a reader sees the old set of files or the new complete checkpoint. Older versions wrote
+which holds the tensors, with their digest (``blocks_sha256``). The JSON is written last, by an atomic
+rename: it is the commit, so a reader sees the old set of files or the new complete checkpoint. Older versions wrote
 pickled ``step_N.pt`` files; those are never loaded, since unpickling can run arbitrary code.
 """
 
@@ -15,8 +15,8 @@ import os
 import random
 import re
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
