@@ -6,6 +6,7 @@
         --steps 8 --max-new-tokens 256 --eval-problems 64 --out gpu.json           # GPU speed run
     python benchmarks/bench_vs_trl.py --only ours ...                            # one side only
     python benchmarks/bench_vs_trl.py --train-minutes 15 --steps 1000 ...          # the same clock for both sides
+    python benchmarks/bench_vs_trl.py --combine ours.json trl.json --out both.json  # two --only runs as one
 
 Each side runs in its own child process, one after the other, so that peak memory is per side:
 (a) ours: ``python grpo/grpo.py --config-name grpo_tiny hydra.run.dir=<tmp> key=value ...``
@@ -45,17 +46,19 @@ minibatches of M samples, each split into A micro-batches (M/A samples per forwa
     --epochs E              train.epochs                                num_iterations
     --steps N               train.total_steps (GRPO steps)              max_steps = N*E*S/M (optimiser steps)
     --max-new-tokens        inference_model.max_new_tokens (+ eval)     max_completion_length
-    --lr / --warmup-steps   optimizer.lr / optimizer.warmup_steps       the same AdamW + LambdaLR passed via
-                            (AdamW, linear warm-up, then constant)      ``optimizers=`` (HF's built-in warm-up
-                                                                        starts at lr 0, ours at lr/W)
+    --lr / --warmup-steps   optimizer.lr / optimizer.warmup_steps       ours' make_optimizer/make_scheduler passed
+    --schedule              optimizer.schedule (constant, or cosine     via ``optimizers=`` (HF's built-in warm-up
+    --min-lr-ratio          over --steps) / optimizer.min_lr_ratio      starts at lr 0, ours at lr/W)
     --kl-coef               train.kl_to_ref_coeff (k3, in the loss)     beta; use_bias_correction_kl=False (ours
                                                                         does not weight the KL by the ratio)
     --clip-low/--clip-high  train.clip_epsilon_low/high                 epsilon / epsilon_high
     (token mean)            train.aggregation=token_mean                loss_type="bnpo" (mean over the
                                                                         micro-batch's reply tokens, / A)
     (group advantages)      MCAdvantage: (r - mean) / std per group     scale_rewards="group"
-    (sampling)              temperature 1, top_p 1, top_k = the         temperature=1, top_p=1, top_k set to
-                            model's generation_config (HF default 50)   the same value (TRL's default is 0 = off)
+    --top-k                 temperature 1, top_p 1,                     temperature=1, top_p=1, top_k
+                            inference_model.top_k (0 = off)             (0 = off)
+    --train-dtype           train_model.dtype (float32: master weights  the model's dtype; bf16=True autocasts
+                            under bf16 autocast; ref/inference --dtype) when --dtype is bfloat16
     --seed                  seed                                        seed, data_seed
     grad clip 1.0, AdamW betas (0.9, 0.999), eps 1e-8, weight decay 0 on both.
 Behaviour log-probs: ours keeps the sampler's log-probs from generation (no extra forward); TRL
@@ -126,6 +129,10 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=24, help="reply length cap (rollouts and eval)")
     p.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=2, help="optimiser steps of linear warm-up")
+    p.add_argument("--schedule", choices=["constant", "cosine"], default="constant",
+                   help="after warm-up, on both sides (ours' make_scheduler): cosine decays over --steps")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor as a fraction of --lr")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling of rollouts on both sides (0 = off)")
     p.add_argument("--seed", type=int, default=0, help="seed of both runs (data order, sampling, init)")
     p.add_argument("--epochs", type=int, default=2, help="passes over each generation batch")
     p.add_argument("--optim-batch-size", type=int, default=None,
@@ -135,6 +142,11 @@ def parse_args(argv=None):
     p.add_argument("--clip-low", type=float, default=0.2, help="ratio clipped below at 1 - this")
     p.add_argument("--clip-high", type=float, default=0.28, help="ratio clipped above at 1 + this")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both sides train and generate")
+    p.add_argument("--train-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="trained weights' dtype on both sides (default: --dtype); float32 with a bfloat16 --dtype: "
+                        "float32 master weights under bf16 autocast, as ours' GPU configs and TRL's bf16=True train")
+    p.add_argument("--ours-config", default="grpo_tiny",
+                   help="ours' --config-name; the knobs above override it, the rest (e.g. dynamic sampling) stays")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides")
@@ -161,6 +173,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="bench_vs_trl.json", help="results JSON (a PNG is written next to it)")
     p.add_argument("--plot", default=None, help="PNG path (default: --out with .png)")
     p.add_argument("--workdir", default=None, help="run dirs and logs (default: a temp dir, kept)")
+    p.add_argument("--combine", nargs=2, metavar=("OURS_JSON", "TRL_JSON"), default=None,
+                   help="merge two --only runs (e.g. one a GPU, at once) into --out, its plot and the report")
     p.add_argument("--worker", choices=["trl", "eval-checkpoint"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -186,6 +200,9 @@ def build_spec(args, workdir: Path) -> dict:
         "grad_accum": args.grad_accum, "epochs": args.epochs,
         "optim_steps_per_grpo_step": args.epochs * samples // optim_bs,
         "max_new_tokens": args.max_new_tokens, "lr": args.lr, "warmup_steps": args.warmup_steps, "seed": args.seed,
+        "schedule": args.schedule, "min_lr_ratio": args.min_lr_ratio, "top_k": args.top_k,
+        "train_dtype": "float32" if args.device == "cpu" else (args.train_dtype or dtype),
+        "ours_config": args.ours_config,
         "kl_coef": args.kl_coef, "clip_low": args.clip_low, "clip_high": args.clip_high, "device": args.device,
         "dtype": dtype, "gradient_checkpointing": args.gradient_checkpointing,
         "random_init_shape": args.random_init_shape, "eval_every": args.eval_every,
@@ -227,15 +244,27 @@ class GreedyEvaluator:
         self.fields = GSM8KTask.eval_fields
         self.tokenizer = tokenizer
         self.max_new_tokens = spec["max_new_tokens"]
+        self.dtype = spec["dtype"]
 
-    def __call__(self, model) -> dict:
+    def __call__(self, trained_model) -> dict:
+        import torch
+        from transformers import AutoModelForCausalLM
+
         from grpo.inference.decoding import ReplySampler
         from grpo.inference.engine import make_transformers_policy
         from grpo.loop.evaluation import evaluate
         from grpo.training.models import stop_token_ids
 
-        was_training = model.training
-        model.eval()
+        was_training = trained_model.training
+        trained_model.eval()
+        model = trained_model
+        param = next(trained_model.parameters())
+        if param.dtype != _torch_dtype(self.dtype):  # float32 master weights: decode in --dtype, as ours does
+            # a fresh module, not a deepcopy: TRL's accelerate wraps forward in autocast, and a copy keeps the wrapper
+            with torch.device(param.device):
+                model = AutoModelForCausalLM.from_config(trained_model.config, dtype=_torch_dtype(self.dtype))
+            model.load_state_dict(trained_model.state_dict())
+            model.generation_config = trained_model.generation_config
         # the same eager decode loop for both sides' models: equal footing, nothing to compile
         stop_ids = stop_token_ids(self.tokenizer, model.generation_config)
         sampler = ReplySampler(model, compile=False, cache_bucket=128, compact_rows=True)
@@ -245,7 +274,10 @@ class GreedyEvaluator:
         t0 = time.perf_counter()
         result, _ = evaluate(self.env, policy, self.num_problems, self.fields)
         result["eval/time_s"] = time.perf_counter() - t0
-        model.train(was_training)
+        trained_model.train(was_training)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         return result
 
 
@@ -311,14 +343,15 @@ def trl_worker(spec: dict) -> None:
     from grpo.process.setup import seed_everything
     from grpo.tasks.envs import GSM8KTaskEnv, load_gsm8k
     from grpo.tasks.rewards import GSM8KReward, reference_answer
+    from grpo.training.settings import OptimizerSettings
+    from grpo.training.trainer import make_optimizer, make_scheduler
 
     seed_everything(spec["seed"])
     out = Path(spec["workdir"]) / "trl"
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _load_tokenizer(spec)
-    dtype = _torch_dtype(spec["dtype"])
     device = torch.device("cuda:0" if spec["device"] == "cuda" else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=_torch_dtype(spec["train_dtype"])).to(device)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         raise SystemExit("tokenizer larger than the model's vocabulary: not supported by this benchmark")
 
@@ -345,8 +378,7 @@ def trl_worker(spec: dict) -> None:
             rewards.append(float(scored["reward"]))
         return rewards
 
-    # top_k: ours samples with the model's generation_config, where transformers' default top_k is 50.
-    top_k = model.generation_config.top_k if model.generation_config.top_k is not None else 50
+    top_k = spec["top_k"]  # ours: inference_model.top_k, the same value
     micro = spec["optim_batch_size"] // spec["grad_accum"]
     k = spec["optim_steps_per_grpo_step"]
     args = GRPOConfig(
@@ -366,11 +398,13 @@ def trl_worker(spec: dict) -> None:
         logging_steps=k, report_to="none", save_strategy="no", disable_tqdm=True, log_level="warning",
         dataloader_num_workers=0, remove_unused_columns=False,
     )
-    # The optimiser and schedule ours builds (grpo.training.trainer): AdamW, linear warm-up from lr/W, then constant.
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    warm = spec["warmup_steps"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: (s + 1) / warm if s < warm else 1.0)
+    # ours' own optimiser and schedule (grpo.training.trainer): AdamW (fused on a GPU), linear warm-up from lr/W,
+    # then constant or cosine over the same optimiser steps
+    settings = OptimizerSettings(lr=spec["lr"], weight_decay=0.0, betas=(0.9, 0.999), eps=1e-8,
+                                 warmup_steps=spec["warmup_steps"], schedule=spec["schedule"],
+                                 min_lr_ratio=spec["min_lr_ratio"], total_optim_steps=spec["steps"] * k)
+    optimizer = make_optimizer(settings, model)
+    scheduler = make_scheduler(settings, optimizer)
 
     evaluator = GreedyEvaluator(spec, tokenizer)
     steps, evals, trl_logs = [], [], []
@@ -496,7 +530,8 @@ def ours_command(spec: dict) -> list[str]:
         "train.use_kl_to_ref=true", "train.kl_coef_in_loss=true", "train.entropy_coeff=0.0",
         "train.aggregation=token_mean", f"train.clip_epsilon_low={s['clip_low']}",
         f"train.clip_epsilon_high={s['clip_high']}", "train.checkpoint_frequency=0",
-        f"optimizer.lr={s['lr']}", f"optimizer.warmup_steps={s['warmup_steps']}", "optimizer.schedule=constant",
+        f"optimizer.lr={s['lr']}", f"optimizer.warmup_steps={s['warmup_steps']}", f"optimizer.schedule={s['schedule']}",
+        f"optimizer.min_lr_ratio={s['min_lr_ratio']}", f"inference_model.top_k={s['top_k']}",
         "optimizer.weight_decay=0.0", "optimizer.clip_grad_norm=1.0",
         f"reward.answer_extraction={s['recipe']}", f"reward.format={FORMAT_REWARD[s['recipe']]}",
         "env.system_prompt=null", "reward.correct=1.0",
@@ -504,11 +539,11 @@ def ours_command(spec: dict) -> list[str]:
         "inference_model.temperature=1.0", "inference_model.top_p=1.0",
         f"eval.frequency={s['eval_every']}", f"eval.num_problems={s['eval_problems']}",
         f"eval.batch_size={s['eval_batch_size']}", "logging.progress_bar=false",
-        f"train_model.dtype={s['dtype']}", f"ref_model.dtype={s['dtype']}", f"inference_model.dtype={s['dtype']}",
+        f"train_model.dtype={s['train_dtype']}", f"ref_model.dtype={s['dtype']}", f"inference_model.dtype={s['dtype']}",
         f"train_model.gradient_checkpointing={str(s['gradient_checkpointing']).lower()}",
         f"train.max_minutes={s['train_minutes'] if s.get('train_minutes') else 'null'}",
     ]
-    return [sys.executable, "grpo/grpo.py", "--config-name", "grpo_tiny", *over, *s.get("ours_overrides", [])]
+    return [sys.executable, "grpo/grpo.py", "--config-name", s["ours_config"], *over, *s.get("ours_overrides", [])]
 
 
 def child_env(spec: dict, peak_file: Path) -> dict:
@@ -683,7 +718,9 @@ def plot(results: dict, png: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = {"ours": "tab:blue", "trl": "tab:orange"}
-    names = {"ours": "ours (sync GRPO, TorchRL)", "trl": "TRL GRPOTrainer"}
+    spec = results["spec"]
+    names = {"ours": "ours (sync GRPO, TorchRL)",
+             "trl": "TRL GRPOTrainer" + (" + vLLM (colocate)" if spec.get("trl_vllm") == "colocate" else "")}
     for side in ("ours", "trl"):
         if side not in results:
             continue
@@ -709,9 +746,9 @@ def plot(results: dict, png: Path) -> None:
     axes[2].set(title="mean GRPO step time split (s)")
     for ax in axes:
         ax.legend(fontsize=8)
-    spec = results["spec"]
+    clock = f" or {spec['train_minutes']:g} training minutes" if spec.get("train_minutes") else ""
     fig.suptitle(f"{Path(spec['model']).name}{' (random init ' + spec['random_init_shape'] + ')' if spec['random_init_shape'] else ''}"
-                 f", {spec['device']}, {spec['steps']} steps x {spec['prompts_per_step']} prompts x {spec['repeats']} "
+                 f", {spec['device']}, {spec['steps']} steps{clock} x {spec['prompts_per_step']} prompts x {spec['repeats']} "
                  f"replies, max {spec['max_new_tokens']} new tokens", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=90)
@@ -723,6 +760,9 @@ def main(argv=None) -> None:
     if args.worker:
         spec = json.loads(Path(args.spec).read_text())
         {"trl": trl_worker, "eval-checkpoint": eval_checkpoint_worker}[args.worker](spec)
+        return
+    if args.combine:
+        write_results(combine(*args.combine), args)
         return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench_vs_trl_")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -743,13 +783,37 @@ def main(argv=None) -> None:
         results["trl"] = run_trl(spec)
     if "ours" in results and "trl" in results:
         results["ratios"] = ratios(results["ours"], results["trl"])
+    write_results(results, args)
+    print(f"run dirs and logs: {workdir}")
+
+
+def combine(ours_json: str, trl_json: str) -> dict:
+    """One result from an ``--only ours`` and an ``--only trl`` run of the same knobs (e.g. two GPUs at once)."""
+    ours, trl = (json.loads(Path(f).read_text()) for f in (ours_json, trl_json))
+    if "ours" not in ours or "trl" not in trl:
+        raise SystemExit(f"--combine wants an --only ours result ({ours_json}) and an --only trl one ({trl_json})")
+    # paths differ between run dirs; the trl_* knobs act on TRL's side only, ours_* on ours' only
+    skip = {"workdir", "model", "data", "tokenizer_source", "trl_vllm", "trl_vllm_memory", "trl_vllm_sleep",
+            "ours_overrides", "ours_config"}
+    differ = sorted(k for k in ours["spec"].keys() | trl["spec"].keys()
+                    if k not in skip and ours["spec"].get(k) != trl["spec"].get(k))
+    if differ:
+        raise SystemExit(f"--combine: the two runs' knobs differ in {', '.join(differ)}: run both with the same flags")
+    spec = {**ours["spec"], **{k: trl["spec"][k] for k in ("trl_vllm", "trl_vllm_memory", "trl_vllm_sleep")}}
+    results = {"spec": spec, "argv": {"ours": ours["argv"], "trl": trl["argv"]},
+               "host": ours["host"], "ours": ours["ours"], "trl": trl["trl"]}
+    results["ratios"] = ratios(results["ours"], results["trl"])
+    return results
+
+
+def write_results(results: dict, args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=str))
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
     plot(results, png)
     print_report(results)
-    print(f"\nresults: {out}\nplot: {png}\nrun dirs and logs: {workdir}")
+    print(f"\nresults: {out}\nplot: {png}")
 
 
 if __name__ == "__main__":
