@@ -89,20 +89,22 @@ def plot(curves: dict[str, dict], out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (acc, length) = plt.subplots(1, 2, figsize=(12, 4))
-    handles = []  # each run's flexible then strict entry (matplotlib lists error-bar entries after lines)
+    handles, strict = [], False  # a run's entry, in run order (matplotlib lists error-bar entries after lines)
     for i, (label, c) in enumerate(curves.items()):
         color = f"C{i}"
         t = [e["train_minutes"] for e in c["evals"]]
         stderr = [e.get("accuracy_stderr") for e in c["evals"]]  # eval/accuracy's: the default (flexible) extraction
         handles.append(acc.errorbar(t, [e.get("flexible_accuracy", e["accuracy"]) for e in c["evals"]], fmt="o-",
                                     color=color, yerr=None if None in stderr else stderr, capsize=2,
-                                    label=f"{label} flexible"))
+                                    label=label))
         if all("strict_accuracy" in e for e in c["evals"]):
-            handles += acc.plot(t, [e["strict_accuracy"] for e in c["evals"]], "s--", color=color, alpha=0.6,
-                                label=f"{label} strict")
+            acc.plot(t, [e["strict_accuracy"] for e in c["evals"]], "s--", color=color, alpha=0.6)
+            strict = True
         length.plot(t, [e["response_length"] for e in c["evals"]], "o-", color=color, label=label)
     acc.set(title="held-out greedy accuracy", xlabel="training minutes", ylabel="accuracy")
     length.set(title="held-out mean reply length", xlabel="training minutes", ylabel="tokens")
+    if strict:  # one legend entry for the style, not one a run
+        handles += acc.plot([], [], "s--", color="gray", alpha=0.6, label="strict extraction (dashed)")
     acc.legend(handles=handles, fontsize=7)
     length.legend(fontsize=7)
     fig.tight_layout()
