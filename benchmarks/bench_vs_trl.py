@@ -787,19 +787,21 @@ def main(argv=None) -> None:
     print(f"run dirs and logs: {workdir}")
 
 
+TRL_ONLY = ("trl_vllm", "trl_vllm_memory", "trl_vllm_sleep")  # spec keys that act on TRL's side alone
+
+
 def combine(ours_json: str, trl_json: str) -> dict:
     """One result from an ``--only ours`` and an ``--only trl`` run of the same knobs (e.g. two GPUs at once)."""
     ours, trl = (json.loads(Path(f).read_text()) for f in (ours_json, trl_json))
     if "ours" not in ours or "trl" not in trl:
         raise SystemExit(f"--combine wants an --only ours result ({ours_json}) and an --only trl one ({trl_json})")
     # paths differ between run dirs; the trl_* knobs act on TRL's side only, ours_* on ours' only
-    skip = {"workdir", "model", "data", "tokenizer_source", "trl_vllm", "trl_vllm_memory", "trl_vllm_sleep",
-            "ours_overrides", "ours_config"}
+    skip = {"workdir", "model", "data", "tokenizer_source", *TRL_ONLY, "ours_overrides", "ours_config"}
     differ = sorted(k for k in ours["spec"].keys() | trl["spec"].keys()
                     if k not in skip and ours["spec"].get(k) != trl["spec"].get(k))
     if differ:
         raise SystemExit(f"--combine: the two runs' knobs differ in {', '.join(differ)}: run both with the same flags")
-    spec = {**ours["spec"], **{k: trl["spec"][k] for k in ("trl_vllm", "trl_vllm_memory", "trl_vllm_sleep")}}
+    spec = {**ours["spec"], **{k: trl["spec"][k] for k in TRL_ONLY}}
     results = {"spec": spec, "argv": {"ours": ours["argv"], "trl": trl["argv"]},
                "host": ours["host"], "ours": ours["ours"], "trl": trl["trl"]}
     results["ratios"] = ratios(results["ours"], results["trl"])

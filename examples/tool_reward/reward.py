@@ -11,12 +11,16 @@ It is called once an episode with ``episode``: its messages after the prompt, th
 ``{"role": "tool", "content": ...}`` (what the sandbox printed, or the tool's own "Error: ..." line).
 """
 
-# how the tool's answer says a call did not run cleanly (grpo/tasks/tool_env.py and grpo/tasks/sandbox.py write them)
-REFUSED = ("Error:", "[no output")  # a malformed or refused call; a call that printed nothing
+from grpo.tasks.tool_env import NO_OUTPUT  # the tool's answer to a call that printed nothing
+
+# how the tool's answer says a call did not run cleanly: its "Error: ..." line for a malformed or refused call
+# (grpo/tasks/tool_env.py), the sandbox's markers and Python's traceback for a run that failed (grpo/tasks/sandbox.py)
+REFUSED = "Error:"
 FAILED = ("Traceback (most recent call last):", "[killed by ", "[exit status ", "[timed out after ")
 
 
 def ran_python(episode: list[dict]) -> float:
     """1.0 when at least one of the episode's calls ran to a clean exit and printed something, else 0.0."""
-    return float(any(message["role"] == "tool" and not message["content"].startswith(REFUSED)
+    return float(any(message["role"] == "tool" and message["content"] != NO_OUTPUT
+                     and not message["content"].startswith(REFUSED)
                      and not any(marker in message["content"] for marker in FAILED) for message in episode))
