@@ -37,7 +37,9 @@ def curve(run_dir: Path) -> dict:
               **{k.removeprefix("eval/"): r[k] for k in ("eval/accuracy", "eval/accuracy_stderr", "eval/gain",
                                                            "eval/gain_stderr", "eval/strict_accuracy",
                                                            "eval/flexible_accuracy", "eval/answer_rate",
-                                                           "eval/response_length", "eval/truncated_fraction") if k in r}}
+                                                           "eval/response_length", "eval/truncated_fraction",
+                                                           "eval/tool_calls_per_episode", "eval/tool_error_rate")
+                 if k in r}}
              for r in rows if "eval/accuracy" in r]
     steps = [r for r in rows if "step_time_s" in r]
     return {"run": run_dir.name, "evals": evals, "steps": len(steps),
