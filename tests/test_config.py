@@ -90,6 +90,19 @@ def test_bad_values_name_key_and_fix(override, pattern):
         validate_config(compose("grpo_tiny", [override] if isinstance(override, str) else list(override)))
 
 
+@pytest.mark.parametrize("logger, fix", [("wandb", "pip install wandb, or logger=csv or none"),
+                                         ("tensorboard", "pip install -e '.[loggers]'")])
+def test_a_logger_whose_package_is_missing_stops_at_start(monkeypatch, logger, fix):
+    """A machine without the package (the GPU machines have no wandb) hears it before the models load, in one line."""
+    import grpo.loop.config as config
+
+    find_spec = config.importlib.util.find_spec
+    monkeypatch.setattr(config.importlib.util, "find_spec", lambda name: None if name == logger else find_spec(name))
+    with pytest.raises(ConfigError, match=rf"^logger={logger} needs the {logger} package, which is not installed; "
+                                          rf"{re.escape(fix)}"):
+        validate_config(compose("grpo_tiny", [f"logger=[csv,{logger}]"]))
+
+
 @pytest.mark.parametrize("key", sorted(RETIRED_KEYS))
 def test_a_retired_key_is_in_no_config_and_an_override_of_it_says_what_replaced_it(key):
     """Hydra refuses a key no config has ("not in struct"); before it, the scripts name what replaced it."""

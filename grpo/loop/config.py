@@ -193,9 +193,10 @@ def validate_config(cfg) -> None:
     names = [cfg.logger] if isinstance(cfg.logger, str) else list(cfg.logger) if OmegaConf.is_list(cfg.logger) else [None]
     need(all(name in (*TRACKERS, "none") for name in names) and len(set(names)) == len(names), f"logger={cfg.logger!r}; "
          f"use one of {', '.join(TRACKERS)} or none, or a list of them (logger=[tensorboard,csv]).")
-    for name in {"tensorboard", "mlflow"} & set(names):  # the loggers' packages are an extra
+    for name in sorted(set(TRACKERS) & set(names) - {"csv"}):  # wandb is a dependency, the others an extra
         need(importlib.util.find_spec(name) is not None, f"logger={name} needs the {name} package, which is not "
-             "installed; pip install -e '.[loggers]' (tensorboard, mlflow-skinny).")
+             "installed; " + ("pip install wandb, or logger=csv or none." if name == "wandb" else
+                              "pip install -e '.[loggers]' (tensorboard, mlflow-skinny)."))
     need(t.num_collectors >= 1, f"train.num_collectors={t.num_collectors} must be >= 1.")
     need(t.buffer_size >= 0, f"train.buffer_size={t.buffer_size} must be >= 0 (batches the async FIFO holds "
          "beyond one a worker).")
