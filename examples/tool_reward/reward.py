@@ -3,9 +3,9 @@
 The real Qwen2.5-Coder-0.5B stops calling the tool within 5-10 GRPO steps when only the final answer is paid
 (benchmarks/README.md): most of its first calls are malformed, so episodes that call score lower than those that
 do not. This pays an episode whose calls ran and printed something and which then gave its final answer. The
-answer matters: paid for clean calls alone (2026-11-30, one H200, weights 0.1 and 0.5), the 0.5B learned within 15
-steps to spend every turn on calls and never answer (3 calls an episode, 79-94% of episodes cut at env.max_turns,
-strict accuracy 0.19 -> 0.00).
+answer matters: paid for clean calls alone (2026-11-30, one H200, weights 0.1 and 0.5), the 0.5B learned within 13-20
+steps to spend every turn on calls and never answer (2.4-2.9 calls an episode, 75-95% of episodes cut short, strict
+accuracy 0.19 -> 0.00; docs/tools.md, "Keeping the tool").
 
     python grpo/grpo.py --config-name grpo_qwen05b_tools \
         'reward.functions=[examples/tool_reward/reward.py:ran_python]' 'reward.weights=[0.1]'
