@@ -204,7 +204,7 @@ def world_runs(setup, tmp_path_factory):  # noqa: F811 - the imported fixture
 def test_two_ranks_train_as_one(setup, world_runs, two_ranks_with):  # noqa: F811 - the imported fixture
     """Same seed, same rollouts: two ranks (each half of every micro-batch, the policy sharded, the
     reference scoring half the rows) give the step-1 loss and gradient norm of one rank to 1e-5, the
-    same metrics, and the same weights after 3 steps (6 optimiser steps) to 1e-5; also with the gathered
+    same metrics, and the same weights after 3 steps (6 optimiser steps) to 2e-5; also with the gathered
     weights kept from forward to backward (FSDP2 reshard_after_forward=False), and with the decoder layers and
     LM head compiled (the GPU configs' default) on the two ranks against one eager rank (to 1e-4: compiled
     kernels sum in another order)."""
@@ -225,8 +225,9 @@ def test_two_ranks_train_as_one(setup, world_runs, two_ranks_with):  # noqa: F81
     moved = max(float((w - before).abs().max()) for w, before in zip(one["weights"].values(),
                                                                    load_initial_weights(cfg).values()))
     assert moved > 1e-3  # three steps changed the weights well beyond the tolerance
-    # compiled: Adam turns the last-digit gradient differences of near-zero gradients into ~2e-5 (the weights moved ~1e-3)
-    atol = 1e-4 if compiled else 1e-5
+    # Adam turns the last-digit gradient differences of near-zero gradients into larger steps (the weights moved ~1e-3):
+    # compiled ~2e-5; eager, with fused AdamW, one q_proj element of 16,384 1.1e-5 apart (2026-11-30)
+    atol = 1e-4 if compiled else 2e-5
     for name, weight in one["weights"].items():
         # a key bias adds the same amount to all of a query's scores, which softmax ignores: its gradient is rounding
         # noise, which Adam makes lr-sized steps of either sign (1.4e-5 apart on 1 and 2 ranks, moved 2e-3 in all)
