@@ -88,6 +88,8 @@ def test_half_then_resume_equals_straight_run(straight, tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     # the resumed run's last eval is paired with the first run's step 0, as the straight run's is
     assert [json.loads(line)["step"] for line in (tmp_path / "eval_scores.jsonl").read_text().splitlines()] == [0, 2, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / "eval_replies.jsonl").read_text().splitlines()] == (
+        [0] * 8 + [2] * 8 + [4] * 8)  # eval.num_problems=8
     (gain_a,), (gain_b,) = ([r for r in eval_rows(d) if r["step"] == 4] for d in (straight, tmp_path))
     assert gain_b["eval/gain_since_step"] == 0 and gain_b["eval/gain"] == gain_a["eval/gain"]
     assert gain_b["eval/gain_stderr"] == gain_a["eval/gain_stderr"]
@@ -361,6 +363,22 @@ def test_keep_last_prunes_and_leaves_no_temp_files(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000004.json", "step_00000005.json"]
     assert sorted(p.name[:13] for p in tmp_path.glob("*.safetensors")) == ["step_00000004", "step_00000005"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_committed_is_told_the_moment_the_json_is_in_place_before_the_pruning(tmp_path):
+    """A run names its last checkpoint from this call: the one on disk, even to a Ctrl-C during the pruning."""
+    for step in (1, 2):
+        _save(tmp_path, step, keep_last=2)
+    seen = []
+
+    def committed(path):
+        seen.append((path.name, [p.name for p in list_checkpoints(tmp_path)]))
+
+    model, opt, sched = _trained(3)
+    path = save_checkpoint(tmp_path, 3, state=training_state(model, opt, sched), counters={"step": 3},
+                           resolved_config={}, keep_last=2, committed=committed)
+    assert seen == [("step_00000003.json", ["step_00000001.json", "step_00000002.json", "step_00000003.json"])]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000002.json", path.name]
 
 
 class _Exploit:

@@ -87,14 +87,17 @@ class RunRecords:
         is taken back for the next one after (``check_room`` says whether it could)."""
         then = f"resume={self.run_dir}" if self.last_checkpoint else "run again (this run has no checkpoint)"
         self.room.release()
+
+        def committed(path: Path) -> None:  # what a stop signal from now on names
+            self.last_checkpoint = (step, path)
+
         try:
             path = ckpt.save_checkpoint(
                 str(self.checkpoint_dir), step, state=trainer.checkpoint_state(), counters=counters,
                 resolved_config=self.resolved_config, extra={"wandb_run_id": self.logger.wandb_run_id, **extras},
-                keep_last=self.keep_last, rng=rng, then=then)
+                keep_last=self.keep_last, rng=rng, then=then, committed=committed)
         finally:
             self.room.take()
-        self.last_checkpoint = (step, path)
         say(f"step {step}: checkpoint {path}")
 
     def after_eval(self, step: int, accuracy: float, trainer, counters: dict) -> None:
@@ -153,6 +156,7 @@ class RunRecords:
             f"  eval accuracy  {accuracy}",
             *(f"  {'eval ' + name.removeprefix('eval/'):<15}{trajectory(rows, name)}" for name in sampled),
             f"  metrics        {run_dir / 'metrics.jsonl'}" + (f", {plot}" if plot.exists() else ""),
+            *([f"  eval replies   {replies}"] if (replies := run_dir / "eval_replies.jsonl").exists() else []),
             *([f"  loggers        {', '.join(f'{name} {run_dir / TRACKER_DIRS[name]}' for name in self.trackers)}"]
               if self.trackers else []),
             f"  checkpoint     {checkpoint}",

@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -156,10 +157,13 @@ def check_free_space(folder: Path, need: int, what: str, then: str) -> None:
 
 def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, resolved_config: dict,
                     extra: dict | None = None, keep_last: int | None = None, rng: dict | None = None,
-                    then: str = "resume the run from its last checkpoint") -> Path:
+                    then: str = "resume the run from its last checkpoint",
+                    committed: Callable[[Path], None] | None = None) -> Path:
     """Write ``step_N.json`` and its tensors; returns the JSON's path. ``state``: ``training_state``'s.
     ``extra``: the scripts' own state, plain JSON values (loaded back as JSON gives them: tuples as
-    lists). ``rng``: RNG states taken earlier (default: now). ``then``: what to do once there is room."""
+    lists). ``rng``: RNG states taken earlier (default: now). ``then``: what to do once there is room.
+    ``committed``: called with the path the moment the JSON is in place, before the directory's fsync and the pruning
+    (a Ctrl-C meanwhile was told "this run has no checkpoint" of a run whose checkpoint was on disk)."""
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     bad = non_finite(state["model"])
@@ -209,6 +213,8 @@ def save_checkpoint(ckpt_dir: Path, step: int, *, state: dict, counters: dict, r
         raise CheckpointError(f"the checkpoint of step {step} could not be written to {ckpt_dir} ({err}); it needs "
                               f"{size_text(need)}; free that, then {then}.{kept}") from err
     os.replace(json_tmp, path)  # the commit
+    if committed is not None:
+        committed(path)
     dir_fd = os.open(ckpt_dir, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the renames themselves survive a power cut
