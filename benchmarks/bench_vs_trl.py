@@ -272,7 +272,7 @@ class GreedyEvaluator:
                                           gen_kwargs={"max_new_tokens": self.max_new_tokens, "do_sample": False,
                                                       "eos_token_id": stop_ids, "pad_token_id": self.tokenizer.pad_token_id})
         t0 = time.perf_counter()
-        result, _ = evaluate(self.env, policy, self.num_problems, self.fields)
+        result, _, _ = evaluate(self.env, policy, self.num_problems, self.fields)
         result["eval/time_s"] = time.perf_counter() - t0
         trained_model.train(was_training)
         del model

@@ -40,6 +40,15 @@ def test_tiny_sync_run_learns(tmp_path):
     for e, s in zip(evals, scores):
         assert e["eval/accuracy"] == pytest.approx(statistics.mean(s["scores"]))
         assert e["eval/accuracy_stderr"] == pytest.approx(statistics.stdev(s["scores"]) / math.sqrt(128))
+    # each eval's greedy replies, a row a problem in problem order: its held-out question, the reply and its score
+    replies = [json.loads(line) for line in (tmp_path / "eval_replies.jsonl").read_text().splitlines()]
+    held_out = [json.loads(line) for line in (TINY_DATA / "test.jsonl").read_text().splitlines()]
+    for s in scores:
+        rows = [r for r in replies if r["step"] == s["step"]]
+        assert [r["row"] for r in rows] == list(range(128)) and [r["score"] for r in rows] == s["scores"]
+        assert all(held_out[r["row"]]["question"] in r["prompt"] and r["reply"].strip() for r in rows)
+        # a reply scored right holds its problem's answer
+        assert all(held_out[r["row"]]["answer"].split("#### ")[1] in r["reply"] for r in rows if r["score"] == 1)
     differences = [after - before for before, after in zip(scores[0]["scores"], scores[1]["scores"])]
     assert "eval/gain" not in evals[0] and evals[1]["eval/gain_since_step"] == 0
     assert evals[1]["eval/gain"] == pytest.approx(evals[1]["eval/accuracy"] - evals[0]["eval/accuracy"])

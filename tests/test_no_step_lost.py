@@ -193,6 +193,7 @@ def test_a_run_dir_gone_from_its_place_has_its_rows_written_there_again(tmp_path
     logger = RunLogger(run_dir, RecordSettings.from_config(compose("grpo_tiny", ["logger=none"])), {})
     logger.log({"step": 1, "reward": 0.5})
     logger.log_eval_scores(1, [1.0, 0.0])
+    logger.log_eval_replies(1, [{"row": 0, "prompt": "2 + 2?", "reply": "The answer is 4.", "score": 1.0}])
     shutil.rmtree(run_dir) if how == "deleted" else run_dir.rename(tmp_path / "elsewhere")
     with pytest.raises(RunDirError, match=rf"^{re.escape(str(run_dir))} was deleted or moved while the run went on: "
                                           r"its metrics are written there again, with a checkpoint of its last "
@@ -202,6 +203,8 @@ def test_a_run_dir_gone_from_its_place_has_its_rows_written_there_again(tmp_path
     logger.close()
     assert [row["step"] for row in read_metrics(run_dir / "metrics.jsonl")] == [1, 2]
     assert (run_dir / "eval_scores.jsonl").read_text() == '{"step": 1, "scores": [1.0, 0.0]}\n'
+    assert read_metrics(run_dir / "eval_replies.jsonl") == [
+        {"step": 1, "row": 0, "prompt": "2 + 2?", "reply": "The answer is 4.", "score": 1.0}]
     assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- train.total_steps=4\n"
 
 

@@ -60,6 +60,7 @@ def test_a_finished_run_ends_with_its_summary(finished_tiny_run):
         f"run finished: {run_dir}",
         f"  eval accuracy  first {first:.3f} (step 0) -> best {best} -> last {last:.3f} (step 2): {gain}",
         f"  metrics        {run_dir / 'metrics.jsonl'}, {run_dir / 'metrics.png'}",
+        f"  eval replies   {run_dir / 'eval_replies.jsonl'}",
         f"  checkpoint     {checkpoint} (resume={run_dir} continues from it)",
         f"  best           {best_path} (accuracy {best_accuracy:.3f}; python -m grpo.export {best_path} <out> exports it)",
         f"  export         {run_dir / 'export'} (transformers' from_pretrained and vllm serve load it)",
@@ -96,6 +97,7 @@ def test_a_stopped_run_ends_with_its_summary(tmp_path, capsys, monkeypatch):
         f"  eval accuracy  first {accuracy[0]:.3f} (step 0) -> best {accuracy[0]:.3f} (step 0) -> last "
         f"{accuracy[0]:.3f} (step 0)",
         f"  metrics        {tmp_path / 'metrics.jsonl'}, {tmp_path / 'metrics.png'}",
+        f"  eval replies   {tmp_path / 'eval_replies.jsonl'}",
         f"  checkpoint     {checkpoint} (resume={tmp_path} continues from it)",
         f"  best           {best} (accuracy {accuracy[0]:.3f}; python -m grpo.export {best} <out> exports it)",
         f"  export         none (python -m grpo.export {checkpoint} <out> writes one)",

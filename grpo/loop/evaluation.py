@@ -9,15 +9,17 @@ import time
 
 import torch
 
+from grpo.loop.logger import eval_reply_rows
 from grpo.loop.settings import EvalSettings
 from grpo.process.console import say
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
+from grpo.training.replies import Replies
 
 @torch.no_grad()
-def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[dict, list[float]]:
-    """Greedy replies to the first ``num_problems`` held-out prompts: the eval row, and each problem's score
-    (``eval/accuracy``'s, in problem order).
+def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[dict, list[float], Replies]:
+    """Greedy replies to the first ``num_problems`` held-out prompts: the eval row, each problem's score
+    (``eval/accuracy``'s, in problem order) and the episodes, in the same order.
 
     ``fields`` maps eval metric names to the env's per-reply outputs (``success``, per-task
     accuracies); each is averaged over the problems (IFEval instruction-level accuracies are
@@ -29,9 +31,10 @@ def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[di
     env.reset_dataloader()  # always the same problems, from the start of the split
     values = {name: [] for name in [*fields, "reward"]}
     episode = {"response_length": [], "truncated_fraction": [], "turns": [], "tool_calls_per_episode": []}
-    errors = []
+    errors, batches = [], []
     while len(episode["turns"]) < num_problems:
         td = env.step(policy(env.reset()))
+        batches.append(Replies.from_collector(td))
         for name, key in [*fields.items(), ("reward", "reward")]:
             values[name] += td["next", key].flatten().float().tolist()
         for row in td.unbind(0):
@@ -45,7 +48,8 @@ def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[di
     result |= {f"eval/{name}": sum(v[:n]) / n for name, v in episode.items()}
     result["eval/tool_error_rate"] = sum(errors[:n]) / max(sum(episode["tool_calls_per_episode"][:n]), 1)
     scores = values[next(iter(fields))][:n]
-    return result | {"eval/accuracy_stderr": standard_error(scores), "eval/num_problems": n}, scores
+    replies = Replies.cat(batches).select(list(range(n)))
+    return result | {"eval/accuracy_stderr": standard_error(scores), "eval/num_problems": n}, scores, replies
 
 
 @torch.no_grad()
@@ -109,7 +113,8 @@ class Evaluator:
 
     def __init__(self, settings: EvalSettings, task: TaskSettings, tokenizer, engine, *, num_problems: int,
                  fields: dict[str, str], last_eval_step: int | None = None):
-        self.engine, self.num_problems, self.fields = engine, num_problems, fields
+        self.engine, self.num_problems, self.fields, self.tokenizer = engine, num_problems, fields, tokenizer
+        self.save_replies = settings.save_replies
         self.frequency, self.total_steps = settings.frequency, settings.total_steps
         self.last_eval_step, self.evaluated = last_eval_step, False
         prompts = min(settings.batch_size, num_problems)
@@ -130,13 +135,15 @@ class Evaluator:
         t0 = time.perf_counter()
         if self.engine.version != trainer.policy_version:  # rollout workers elsewhere got the weights, it did not
             self.engine.push_weights(trainer.engine_weights(), trainer.policy_version)
-        result, scores = evaluate(self.env, self.engine.greedy_policy, self.num_problems, self.fields)
+        result, scores, replies = evaluate(self.env, self.engine.greedy_policy, self.num_problems, self.fields)
         result |= gain_since(logger.first_eval_scores(), scores)
         if self.sampled_env is not None:
             result |= sampled_eval(self.sampled_env, self.engine.sampled_eval_policy, self.num_problems, self.k,
                                    next(iter(self.fields.values())))
         logger.log({"step": step, **result, "eval/time_s": time.perf_counter() - t0})
         logger.log_eval_scores(step, scores)
+        if self.save_replies:
+            logger.log_eval_replies(step, eval_reply_rows(replies, scores, self.tokenizer))
         names = [*EVAL_SHOWN, f"eval/pass@{self.k}", f"eval/avg@{self.k}"]
         shown = "".join(f" {name.removeprefix('eval/')} {result[name]:.3f}" for name in names if name in result)
         gain = f", {gain_text(result)} (same problems)" if "eval/gain" in result else ""

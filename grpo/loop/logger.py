@@ -1,6 +1,7 @@
 """Run outputs: ``metrics.jsonl`` (one JSON object per logged step), ``samples.jsonl`` (replies
-to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), plots, and the same rows
-to ``logger=``'s trackers (``grpo.loop.trackers``: wandb, TensorBoard, MLflow, CSV).
+to read, one JSON object each), ``eval_scores.jsonl`` (each eval's per-problem scores), ``eval_replies.jsonl`` (each
+eval's greedy replies, one a problem), plots, and the same rows to ``logger=``'s trackers (``grpo.loop.trackers``:
+wandb, TensorBoard, MLflow, CSV).
 
 Each row is written and flushed as soon as it is logged, so a killed run keeps every
 row up to its last step. Each write first checks that the run dir is still where it was: one deleted or
@@ -37,6 +38,9 @@ PANELS = [("reward",), ("eval/accuracy", "eval/strict_accuracy", "eval/flexible_
           ("response_length", "eval/response_length"), ("response_truncated_fraction", "eval/truncated_fraction"),
           ("grad_norm",)]
 SAMPLE_COLUMNS = ["step", "group", "row", "prompt", "reply", "reward"]
+# the files of rows beside metrics.jsonl, each opened at its first row (a run that logs none gets no file); a resume
+# drops their rows past its checkpoint's step, as metrics.jsonl's
+ROW_FILES = ("samples.jsonl", "eval_scores.jsonl", "eval_replies.jsonl")
 CONSOLE_WIDTH = 110  # characters of a prompt or reply on the console; samples.jsonl keeps them whole
 
 
@@ -49,8 +53,7 @@ class RunLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = open(self.path, "a+", buffering=1)  # a+: readable, for putting it back (_put_back)
-        self._samples_file = None  # opened at the first samples: a run that logs none gets no file
-        self._eval_scores_file = None  # likewise, at the first eval
+        self._row_files = {}  # ROW_FILES' name -> its file, once opened
         # the run's config record (what resume=auto finds it by): small, held to be put back too
         self._hydra = {p: p.read_bytes() for p in sorted((self.run_dir / ".hydra").glob("*.yaml"))}
         self.failed = False  # a write failed (and said so): closing then only lets go of the files
@@ -70,9 +73,7 @@ class RunLogger:
         """Replies to read (``reply_samples``' rows): appended to ``samples.jsonl``, printed in short, and given to
         the trackers (wandb's table ``samples``, the others the printed text)."""
         rows = [{"step": step, **sample} for sample in samples]
-        if self._samples_file is None:
-            self._samples_file = self._open_for_append("samples.jsonl")
-        self._write(self._samples_file, "".join(json.dumps(row) + "\n" for row in rows))
+        self._append_rows("samples.jsonl", rows)
         text = "\n".join(console_lines(step, rows))
         say(text)
         for tracker in self.trackers:
@@ -81,15 +82,22 @@ class RunLogger:
     def log_eval_scores(self, step: int, scores: list[float]) -> None:
         """Appends one eval's per-problem scores to ``eval_scores.jsonl``, in problem order (every eval of a run
         scores the same problems): what ``first_eval_scores`` pairs later evals with."""
-        if self._eval_scores_file is None:
-            self._eval_scores_file = self._open_for_append("eval_scores.jsonl")
-        self._write(self._eval_scores_file, json.dumps({"step": step, "scores": scores}) + "\n")
+        self._append_rows("eval_scores.jsonl", [{"step": step, "scores": scores}])
+
+    def log_eval_replies(self, step: int, replies: list[dict]) -> None:
+        """Appends one eval's greedy replies (``eval_reply_rows``' rows, in problem order) to ``eval_replies.jsonl``."""
+        self._append_rows("eval_replies.jsonl", [{"step": step, **reply} for reply in replies])
 
     def first_eval_scores(self) -> tuple[int, list[float]] | None:
         """The step and per-problem scores of this run dir's first eval (a resumed run's included), if any."""
         path = self.run_dir / "eval_scores.jsonl"
         rows = read_metrics(path) if path.exists() else []
         return (rows[0]["step"], rows[0]["scores"]) if rows else None
+
+    def _append_rows(self, name: str, rows: list[dict]) -> None:
+        if name not in self._row_files:
+            self._row_files[name] = self._open_for_append(name)
+        self._write(self._row_files[name], "".join(json.dumps(row) + "\n" for row in rows))
 
     def _open_for_append(self, name: str):
         """The run dir's file ``name``, line-buffered for appending (each row reaches the disk as it is written)."""
@@ -132,15 +140,14 @@ class RunLogger:
             path.parent.mkdir(exist_ok=True)
             path.write_bytes(record)
         new = {}
-        for name in ("_file", "_samples_file", "_eval_scores_file"):
-            old = getattr(self, name)
-            if old is not None:
-                old.seek(0)
-                rows = old.read()
-                old.close()
-                new[old] = open(old.name, "w+", buffering=1)
-                new[old].write(rows)
-                setattr(self, name, new[old])
+        for old in (self._file, *self._row_files.values()):
+            old.seek(0)
+            rows = old.read()
+            old.close()
+            new[old] = open(old.name, "w+", buffering=1)
+            new[old].write(rows)
+        self._file = new[self._file]
+        self._row_files = {name: new[file] for name, file in self._row_files.items()}
         return new
 
     def _failure(self, path: Path, err: OSError) -> RunDirError:
@@ -149,10 +156,9 @@ class RunLogger:
                            f"it writable), then resume={self.run_dir} continues from the run's last checkpoint.")
 
     def close(self, exit_code: int = 0) -> None:
-        for file in (self._file, self._samples_file, self._eval_scores_file):
+        for file in (self._file, *self._row_files.values()):
             try:
-                if file is not None:
-                    file.close()  # closed even when its flush fails
+                file.close()  # closed even when its flush fails
             except OSError as err:
                 if not self.failed:  # a failed write said so already; its buffered rest fails again here
                     raise self._failure(Path(file.name), err) from err
@@ -183,6 +189,14 @@ def reply_samples(replies: Replies, count: int, tokenizer) -> list[dict]:
             samples.append({"group": group, "row": row, "prompt": prompt, "reply": episode_text(reply, sampled, tokenizer),
                             "reward": reward})
     return samples
+
+
+def eval_reply_rows(replies: Replies, scores: list[float], tokenizer) -> list[dict]:
+    """An eval's episodes, one row each in problem order: ``row`` (its data row), ``prompt`` (the user's message),
+    ``reply`` (as ``reply_samples``' rows hold it) and ``score`` (``eval/accuracy``'s)."""
+    return [{"row": row, "prompt": prompt, "reply": episode_text(reply, sampled, tokenizer), "score": score}
+            for row, prompt, reply, sampled, score in zip(replies.row_index.tolist(), replies.user_prompts,
+                                                          replies.replies(), replies.sampled_masks(), scores)]
 
 
 def episode_text(tokens: torch.Tensor, sampled: torch.Tensor, tokenizer) -> str:

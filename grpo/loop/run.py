@@ -29,7 +29,7 @@ from grpo.inference.generation import EngineSettings
 from grpo.loop.disk_room import HeldRoom, check_room_at_start, checkpoint_bytes
 from grpo.loop.config import validate_config, warn_if_too_few_rows
 from grpo.loop.evaluation import Evaluator
-from grpo.loop.logger import RunLogger, profile_to, reply_samples
+from grpo.loop.logger import ROW_FILES, RunLogger, profile_to, reply_samples
 from grpo.loop.records import RunRecords, checkpoint_note
 from grpo.loop.resume import check_resumable, find_checkpoint, truncate_metrics
 from grpo.loop.settings import EvalSettings, RecordSettings, ResumeSettings
@@ -155,7 +155,7 @@ def _build(cfg, task: TaskSettings, splits, task_config, run_dir: Path, payload,
            stop_flag, claim, *, dedicated_inference: bool) -> Run:
     """The rest of the start, in the run dir this run holds: checks, models, optimiser, logger, restore."""
     if payload and not eval_only:  # its .hydra/ stays that of the command that started it (resume=auto's match)
-        for rows in ("metrics.jsonl", "samples.jsonl", "eval_scores.jsonl"):
+        for rows in ("metrics.jsonl", *ROW_FILES):
             truncate_metrics(run_dir / rows, payload["step"])
         print(f"resuming from {last_checkpoint[1]} (step {payload['step']}) into {run_dir}", flush=True)
     elif (run_dir / "metrics.jsonl").exists():

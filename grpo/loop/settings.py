@@ -58,12 +58,13 @@ class EvalSettings:
     num_problems: int               # held-out problems an eval scores (at most the split's)
     batch_size: int                 # prompts generated together
     samples_per_problem: int        # k > 1: k sampled replies a problem too (pass@k, avg@k)
+    save_replies: bool              # each eval's greedy replies in eval_replies.jsonl
 
     @classmethod
     def from_config(cls, cfg) -> EvalSettings:
         e = cfg.eval
         return cls(frequency=e.frequency, total_steps=cfg.train.total_steps, num_problems=e.num_problems,
-                   batch_size=e.batch_size, samples_per_problem=e.samples_per_problem)
+                   batch_size=e.batch_size, samples_per_problem=e.samples_per_problem, save_replies=e.save_replies)
 
 
 @dataclass(frozen=True)
