@@ -30,25 +30,21 @@ def evaluate(env, policy, num_problems: int, fields: dict[str, str]) -> tuple[di
     """
     env.reset_dataloader()  # always the same problems, from the start of the split
     values = {name: [] for name in [*fields, "reward"]}
-    episode = {"response_length": [], "truncated_fraction": [], "turns": [], "tool_calls_per_episode": []}
-    errors, batches = [], []
-    while len(episode["turns"]) < num_problems:
+    batches = []
+    while sum(len(batch.user_prompts) for batch in batches) < num_problems:
         td = env.step(policy(env.reset()))
         batches.append(Replies.from_collector(td))
         for name, key in [*fields.items(), ("reward", "reward")]:
             values[name] += td["next", key].flatten().float().tolist()
-        for row in td.unbind(0):
-            episode["response_length"].append(int(row["episode", "sampled_mask"].sum()))
-            episode["truncated_fraction"].append(float(row["episode", "truncated"]))
-            episode["turns"].append(int(row["episode", "turns"]))
-            episode["tool_calls_per_episode"].append(int(row["episode", "tool_calls"]))
-            errors.append(int(row["episode", "tool_errors"]))
     n = num_problems
-    result = {f"eval/{name}": sum(v[:n]) / n for name, v in values.items()}
-    result |= {f"eval/{name}": sum(v[:n]) / n for name, v in episode.items()}
-    result["eval/tool_error_rate"] = sum(errors[:n]) / max(sum(episode["tool_calls_per_episode"][:n]), 1)
-    scores = values[next(iter(fields))][:n]
     replies = Replies.cat(batches).select(list(range(n)))
+    episode = {"response_length": [int(mask.sum()) for mask in replies.sampled_masks()],
+               "truncated_fraction": replies.truncated.float().tolist(), "turns": replies.turns.tolist(),
+               "tool_calls_per_episode": replies.tool_calls.tolist()}
+    result = {f"eval/{name}": sum(v[:n]) / n for name, v in values.items()}
+    result |= {f"eval/{name}": sum(v) / n for name, v in episode.items()}
+    result["eval/tool_error_rate"] = sum(replies.tool_errors.tolist()) / max(sum(episode["tool_calls_per_episode"]), 1)
+    scores = values[next(iter(fields))][:n]
     return result | {"eval/accuracy_stderr": standard_error(scores), "eval/num_problems": n}, scores, replies
 
 
