@@ -1,12 +1,10 @@
 import os
 import warnings
 
-from grpo.inference.vllm_import import import_torchrl_llm
 
 # vLLM sets its logging up when first imported (an engine starting, a test): without this, every process that
 # imports it floods the console with vLLM's INFO lines. An engine then logs at inference_model.vllm_log_level.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-import_torchrl_llm()  # before anything here imports TorchRL's LLM modules: without vLLM, ~3.5 s less a process
 
 # Inductor warns on its first compile on any Ampere or later GPU that float32 matmuls do not use TF32, whatever the
 # graph. They stay float32 on purpose: the rotary angles (positions x inverse frequencies: TF32's 10-bit mantissa

@@ -16,6 +16,14 @@ from pathlib import Path
 # `python grpo/grpo.py` puts grpo/ first on sys.path, where this file would shadow the grpo package.
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
+from grpo.loop.config import validate_config  # noqa: E402
+from grpo.process.config_keys import check_command_line  # noqa: E402
+from grpo.process.errors import clear_errors  # noqa: E402
+
+if __name__ == "__main__":
+    with clear_errors():  # a bad key or value: its one line in 0.5 s, before the imports below (~8 s)
+        check_command_line(sys.argv[1:], validate_config)
+
 from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
 from grpo.process.devices import PlacementSettings, trainer_ranks  # noqa: E402
 from grpo.process.setup import hydra_main  # noqa: E402

@@ -22,6 +22,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 import pytest
 import torch
+
+import grpo.process.torchrl_import  # noqa: F401 - as in the scripts: TorchRL's LLM modules without vLLM, first
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 from tensordict import set_list_to_stack

@@ -10,9 +10,10 @@ from omegaconf import OmegaConf
 
 from conftest import REPO, compose
 from grpo.loop.config import validate_config, warn_if_too_few_rows
-from grpo.process.setup import RETIRED_KEYS, check_retired_overrides
+from grpo.process.config_keys import RETIRED_KEYS, check_command_line, check_retired_overrides
 from grpo.process.errors import ConfigError, DataError
 from grpo.tasks.envs import TASKS, load_gsm8k
+from grpo.tasks.settings import TASK_NAMES
 
 CONFIG_NAMES = sorted(p.stem for p in (REPO / "config").glob("*.yaml"))
 
@@ -26,6 +27,10 @@ def test_every_config_composes_and_validates(name):
     cfg = compose(name)
     validate_config(cfg)
     assert cfg.env.task in TASKS
+
+
+def test_the_task_names_the_config_check_knows_are_the_tasks():
+    assert sorted(TASK_NAMES) == sorted(TASKS)
 
 
 @pytest.mark.parametrize("name", CONFIG_NAMES)
@@ -136,6 +141,44 @@ def test_script_stops_at_start_with_one_line(tmp_path, override, expected):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_the_command_line_check_names_the_closest_key_and_leaves_what_it_does_not_read_to_hydra():
+    check_command_line(["--config-name", "grpo_tiny", "train.total_steps=4", "hydra.run.dir=/tmp/x"])  # all good
+    with pytest.raises(ConfigError, match=r"^train.totl_steps is not a config key \(did you mean train.total_steps\?\)"):
+        check_command_line(["--config-name=grpo_tiny", "train.totl_steps=4"])
+    with pytest.raises(ConfigError, match=r"^env.max_turn is not a config key \(did you mean env.max_turns\?\)"):
+        check_command_line(["env.max_turn=2"])  # grpo_gsm8k, the scripts' default config
+    with pytest.raises(ConfigError, match=r"^train.packed_sequences='yes' must be true or false"):
+        check_command_line(["-cn", "grpo_tiny", "train.packed_sequences=yes"])
+    # a sweep, Hydra's flags, a missing config: Hydra's, and the run's own validate_config
+    check_command_line(["--config-name", "grpo_tiny", "--multirun", "train.totl_steps=4,5"])
+    check_command_line(["--config-name", "no_such_config", "train.total_steps=4"])
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "grpo-async.py"])
+@pytest.mark.parametrize("override, error", [
+    ("train.totl_steps=3", "train.totl_steps is not a config key (did you mean train.total_steps?)"),
+    ("trian.total_steps=3", "trian is not a config key (did you mean train?)"),
+    ("train.total_steps=abc", "train.total_steps='abc' must be a number."),
+    ("env.repeats=1", "env.repeats=1: GRPO compares replies within a group"),
+    ("train.optim_batch_size=48", "train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64."),
+])
+def test_a_bad_key_or_value_stops_the_script_in_one_line_before_torch_is_imported(tmp_path, script, override, error):
+    """Hydra's own refusal of an unknown key took five lines without a suggestion, and any bad value 9 s of imports
+    before its line."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", str(REPO / "grpo" / script), "--config-name", "grpo_tiny", override,
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.splitlines()
+    printed = [line for line in lines if not line.startswith("import time:")]
+    assert len(printed) == 1 and printed[0].startswith(f"error: {error}"), printed
+    imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
+    assert "hydra" in imported and not {"torch", "torchrl", "transformers"} & imported
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_misspelt_key_in_a_users_own_yaml_stops_the_script_in_one_line(tmp_path):

@@ -8,8 +8,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GRPO = REPO / "grpo"
 # bottom to top; a package may import those below it, never one above. grpo/__init__.py runs first in every
-# process whatever is imported, and sits on top with the scripts: it imports inference/vllm_import, which imports
-# nothing of grpo.
+# process whatever is imported, and sits on top with the scripts: it imports nothing of grpo.
 LAYERS = ("process", "tasks", "training", "inference", "rollout", "export", "loop", "scripts")
 SCRIPTS = ("__init__", "grpo", "grpo-async")
 

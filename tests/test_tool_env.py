@@ -7,8 +7,8 @@ from conftest import compose
 from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import holds_call, parse_call
 from grpo.tasks.sandbox import Sandbox, SandboxSettings
-from grpo.tasks.settings import TaskSettings
-from grpo.tasks.tool_env import Episode, PythonToolEnv, check_turn_config
+from grpo.tasks.settings import TaskSettings, check_turn_config
+from grpo.tasks.tool_env import Episode, PythonToolEnv
 
 
 def call(code: str) -> str:

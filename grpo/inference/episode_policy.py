@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 from tensordict import LazyStackedTensorDict, lazy_stack
 from torch.nn.utils.rnn import pad_sequence
+import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules imported without vLLM (~3.5 s a process)
 from torchrl.data.llm import History
 from torchrl.modules.llm.policies.common import ChatHistory
 

@@ -1,22 +1,17 @@
-"""Checks on the composed config that stop a run at start with one clear message."""
+"""Checks on the composed config that stop a run at start with one clear message. They read the config alone and
+import no torch: the scripts run them on their command line before the heavy imports (``check_command_line``)."""
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import warnings
-from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from grpo.process.config_keys import check_keys_and_types
 from grpo.process.errors import ConfigError
-from grpo.process.setup import RETIRED_KEYS
-from grpo.tasks.envs import TASKS
-from grpo.tasks.rewards import ANSWER_EXTRACTIONS
-from grpo.tasks.settings import TaskSettings
-from grpo.tasks.tool_env import check_turn_config
-from grpo.tasks.user_rewards import parse_spec
+from grpo.tasks.settings import ANSWER_EXTRACTIONS, TASK_NAMES, TaskSettings, check_turn_config, parse_spec
 
 VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # train.importance_sampling (grpo.training.importance)
@@ -28,45 +23,7 @@ def inference_is_cap_now(cap) -> str:
     return f"train.importance_sampling=token_truncate train.is_high={cap}"
 
 
-# speed switches a measurement settled (docs/configuration.md): gone from the config, their winner always on
 TRACKERS = ("wandb", "tensorboard", "mlflow", "csv")  # logger=: each through TorchRL's logger (grpo.loop.trackers)
-
-
-# every key a config may hold, with a value of its type: the configs all start from this one
-BASE_CONFIG = Path(__file__).resolve().parents[2] / "config" / "grpo_gsm8k.yaml"
-
-
-def check_keys_and_types(cfg) -> None:
-    """Each key of the composed config is one of grpo_gsm8k.yaml's, and each flag and number is one there too.
-
-    Hydra refuses an unknown key on the command line but merges one from a user's own YAML without a word (a
-    misspelt knob would silently keep its default), and takes ``train.packed_sequences=yes`` as a string, which is
-    true. A key whose base value is null (a mapping or list the user fills in) is not looked into."""
-    base = OmegaConf.to_container(OmegaConf.load(BASE_CONFIG), resolve=False)
-    base.pop("defaults", None)
-
-    def walk(node: dict, schema: dict, path: str) -> None:
-        for key, value in node.items():
-            where = f"{path}{key}"
-            if where in RETIRED_KEYS:
-                raise ConfigError(f"{where} is retired: {RETIRED_KEYS[where]} (docs/configuration.md); drop it.")
-            if key not in schema:
-                close = difflib.get_close_matches(str(key), [str(k) for k in schema], n=1)
-                raise ConfigError(f"{where} is not a config key{f' (did you mean {path}{close[0]}?)' if close else ''};"
-                                  f" config/grpo_gsm8k.yaml lists them all.")
-            expected = schema[key]
-            if value is None or expected is None or isinstance(value, str) and value.startswith("${"):
-                continue  # null, or an interpolation: its target is checked where it stands
-            if isinstance(expected, dict):
-                if not isinstance(value, dict):
-                    raise ConfigError(f"{where}={value!r} must be a mapping of keys ({', '.join(expected)}).")
-                walk(value, expected, f"{where}.")
-            elif isinstance(expected, bool) and not isinstance(value, bool):
-                raise ConfigError(f"{where}={value!r} must be true or false.")
-            elif type(expected) in (int, float) and (type(value) not in (int, float)):
-                raise ConfigError(f"{where}={value!r} must be a number.")
-
-    walk({k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}, base, "")
 
 
 def validate_config(cfg) -> None:
@@ -80,7 +37,7 @@ def validate_config(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         need(value is None or type(value) is int and value >= 1, f"{key}={value!r} must be a whole number >= 1 {rest}")
 
-    need(cfg.env.task in TASKS, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASKS)}.")
+    need(cfg.env.task in TASK_NAMES, f"env.task={cfg.env.task!r} is unknown; use one of {sorted(TASK_NAMES)}.")
     check_turn_config(TaskSettings.from_config(cfg))
     # counts first: the divisibility checks below would divide by them
     for key in ("env.num_envs", "train.dialog_turns_per_batch", "train.optim_batch_size",

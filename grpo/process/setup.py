@@ -31,23 +31,6 @@ from grpo.process.launch import agree_with_launcher, trainer_world
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-RETIRED_KEYS = {
-    "gpu_run_threads": "each process of a GPU run now always takes one CPU thread",
-    "model.cudnn_attention": "cuDNN's attention is now always off",
-    "inference_model.sampler_kernel": "a GPU now always draws tokens by the Triton kernels where top_k/top_p are off",
-    "inference_model.filled_slots": "a GPU in half precision now always reads the filled KV-cache slots only",
-}
-
-
-def check_retired_overrides(overrides) -> None:
-    """A command-line override of a retired key stops the run in one line that says what replaced it (Hydra's own
-    refusal only says the key is not in the config)."""
-    for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
-        if key in RETIRED_KEYS:
-            raise ConfigError(f"{key} is retired: {RETIRED_KEYS[key]} (docs/configuration.md); drop {override!r}.")
-
-
 def hydra_main(train, script: str, check: Callable, followers=None) -> None:
     """Run a script's ``train(cfg)`` on the Hydra config named on the command line (grpo_gsm8k by default) as
     rank 0 of the trainer's ranks: ``train_model.num_devices=N`` starts the other N-1 (``followers(cfg, devices,
@@ -69,8 +52,6 @@ def hydra_main(train, script: str, check: Callable, followers=None) -> None:
                 raise_if_interrupted_twice()
                 raise
 
-    with clear_errors():  # before Hydra, whose refusal of a removed key says only that it is not in the config
-        check_retired_overrides(sys.argv[1:])
     main()
 
 

@@ -17,6 +17,7 @@ import datasets
 import numpy as np
 import pyarrow
 import torch
+import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules imported without vLLM (~3.5 s a process)
 from torchrl.envs import Compose
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 

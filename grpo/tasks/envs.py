@@ -13,6 +13,7 @@ import warnings
 
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack, unravel_key
 from torch.nn.utils.rnn import pad_sequence
+import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules imported without vLLM (~3.5 s a process)
 from torchrl.collectors.llm import LLMCollector
 from torchrl.envs import Compose, StepCounter, Transform
 from torchrl.envs.llm import DatasetChatEnv, GSM8KEnv, IFEvalEnv

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase
+import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules imported without vLLM (~3.5 s a process)
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Transform
 from torchrl.envs.llm import IFEvalEnv

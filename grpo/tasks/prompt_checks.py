@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules imported without vLLM (~3.5 s a process)
 from torchrl.data.llm import History
 
 from grpo.process.errors import DataError

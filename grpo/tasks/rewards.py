@@ -26,8 +26,11 @@ import re
 
 import torch
 from tensordict import TensorDict
+import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules imported without vLLM (~3.5 s a process)
 from torchrl.data import Unbounded
 from torchrl.envs.llm import GSM8KRewardParser
+
+from grpo.tasks.settings import ANSWER_EXTRACTIONS
 
 _NUMBER = re.compile(r"-?\$?\s*\d[\d,]*(?:\.\d+)?|-?\$?\s*\.\d+")
 _FORMAT = re.compile(r"\s*<think>.*?</think>\s*<answer>.*?</answer>\s*", re.DOTALL)
@@ -64,7 +67,6 @@ def is_well_formatted(response: str) -> bool:
     return _FORMAT.fullmatch(response) is not None
 
 
-ANSWER_EXTRACTIONS = ("flexible", "strict", "tag")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # What instruct models write for a final answer, and how far into the marked text its number may start
 # ("The answer is unclear; maybe 8" marks nothing; "The answer is: **$8**" marks 8).

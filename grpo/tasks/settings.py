@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from grpo.process.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class TaskSettings:
@@ -68,3 +70,40 @@ class TaskSettings:
     def episode_tokens(self) -> int:
         """The tokens after the prompt an episode may hold, the environment's included."""
         return self.max_episode_tokens or self.max_turns * self.max_new_tokens
+
+
+# Read by validate_config, which the scripts run before they import torch (grpo.process.config_keys): kept here,
+# in a module that imports none, not beside the classes and functions they name.
+TASK_NAMES = ("gsm8k", "ifeval", "generic")  # env.task: grpo.tasks.envs.TASKS holds a class for each
+ANSWER_EXTRACTIONS = ("flexible", "strict", "tag")  # gsm8k's reward.answer_extraction (grpo.tasks.rewards)
+
+
+def check_turn_config(settings: TaskSettings) -> None:
+    """``env.max_turns``, ``env.tools`` and ``env.turn_env`` agree."""
+    tools, turn_env, turns = list(settings.tools), settings.turn_env, settings.max_turns
+    if any(tool != "python" for tool in tools) or len(tools) > 1:
+        raise ConfigError(f"env.tools={tools}: the tools are [python] or [] (a tool of your own: env.turn_env).")
+    if tools and turn_env:
+        raise ConfigError(f"env.tools={tools} and env.turn_env={turn_env!r}: one answers between turns; set the other "
+                          "to [] / null.")
+    if not isinstance(turns, int) or turns < 1:
+        raise ConfigError(f"env.max_turns={turns!r}: an episode takes at least one assistant turn (1: a reply).")
+    if turns > 1 and not (tools or turn_env):
+        raise ConfigError(f"env.max_turns={turns} needs something to answer between turns: env.tools=[python] or "
+                          "env.turn_env=path/to/file.py:YourEnv (or env.max_turns=1).")
+    if turns == 1 and (tools or turn_env):
+        raise ConfigError(f"env.max_turns=1 leaves no turn after a tool call's answer; set env.max_turns=2 or more "
+                          f"with env.tools={tools} / env.turn_env={turn_env!r}.")
+    budget = settings.max_episode_tokens
+    if budget is not None and (not isinstance(budget, int) or budget < 1):
+        raise ConfigError(f"env.max_episode_tokens={budget!r}: a positive number of tokens, or null "
+                          "(env.max_turns x inference_model.max_new_tokens).")
+
+
+def parse_spec(spec: str, index: int) -> tuple[str, str, str]:
+    """``(key, where, name)`` of ``reward.functions[index]``: how messages name it, the module or file, the function."""
+    key = f"reward.functions[{index}]={spec!r}"
+    where, _, name = spec.rpartition(":")
+    if not where or not name.isidentifier():
+        raise ConfigError(f"{key}: write it as module.path:function or path/to/file.py:function.")
+    return key, where, name

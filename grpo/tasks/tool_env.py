@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from grpo.process.errors import ConfigError
 from grpo.tasks.python_tool import CALL_CLOSE, PYTHON_TOOL, holds_call, parse_call
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.user_code import call_user, import_object
@@ -142,23 +141,3 @@ def turn_stop_ids(settings: TaskSettings, tokenizer, model_stop_ids: list[int]) 
     return sorted({*model_stop_ids, *(ids if len(ids) == 1 else [])})
 
 
-def check_turn_config(settings: TaskSettings) -> None:
-    """``env.max_turns``, ``env.tools`` and ``env.turn_env`` agree."""
-    tools, turn_env, turns = list(settings.tools), settings.turn_env, settings.max_turns
-    if any(tool != "python" for tool in tools) or len(tools) > 1:
-        raise ConfigError(f"env.tools={tools}: the tools are [python] or [] (a tool of your own: env.turn_env).")
-    if tools and turn_env:
-        raise ConfigError(f"env.tools={tools} and env.turn_env={turn_env!r}: one answers between turns; set the other "
-                          "to [] / null.")
-    if not isinstance(turns, int) or turns < 1:
-        raise ConfigError(f"env.max_turns={turns!r}: an episode takes at least one assistant turn (1: a reply).")
-    if turns > 1 and not (tools or turn_env):
-        raise ConfigError(f"env.max_turns={turns} needs something to answer between turns: env.tools=[python] or "
-                          "env.turn_env=path/to/file.py:YourEnv (or env.max_turns=1).")
-    if turns == 1 and (tools or turn_env):
-        raise ConfigError(f"env.max_turns=1 leaves no turn after a tool call's answer; set env.max_turns=2 or more "
-                          f"with env.tools={tools} / env.turn_env={turn_env!r}.")
-    budget = settings.max_episode_tokens
-    if budget is not None and (not isinstance(budget, int) or budget < 1):
-        raise ConfigError(f"env.max_episode_tokens={budget!r}: a positive number of tokens, or null "
-                          "(env.max_turns x inference_model.max_new_tokens).")

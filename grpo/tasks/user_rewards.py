@@ -67,12 +67,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from tensordict import NonTensorData, TensorDictBase
+import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules imported without vLLM (~3.5 s a process)
 from torchrl.data import Composite, Unbounded
 from torchrl.envs import Compose, Transform
 
 from grpo.process.errors import ConfigError, RewardTimeout
 from grpo.process.setup import raise_if_stop_signalled
 from grpo.tasks.rewards import special_tokens, strip_trailing_special_tokens
+from grpo.tasks.settings import parse_spec
 from grpo.tasks.user_code import call_user, import_object
 
 FIXED_ARGUMENTS = ("prompt", "reply", "episode")  # every call offers these; "answer" too when env.answer_key is set
@@ -178,15 +180,6 @@ def _short(value) -> str:
     except ValueError:  # an int of more digits than Python prints
         text = f"an int of {value.bit_length()} bits"
     return f"{text[:60]}{'...' if len(text) > 60 else ''} ({type(value).__name__})"
-
-
-def parse_spec(spec: str, index: int) -> tuple[str, str, str]:
-    """``(key, where, name)`` of ``reward.functions[index]``: how messages name it, the module or file, the function."""
-    key = f"reward.functions[{index}]={spec!r}"
-    where, _, name = spec.rpartition(":")
-    if not where or not name.isidentifier():
-        raise ConfigError(f"{key}: write it as module.path:function or path/to/file.py:function.")
-    return key, where, name
 
 
 def load_reward_function(spec: str, index: int) -> RewardFunction:
