@@ -13,6 +13,7 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from grpo.loop.config import validate_config  # noqa: E402
 from grpo.process.config_keys import check_command_line  # noqa: E402
 from grpo.process.errors import clear_errors  # noqa: E402
 
-if __name__ == "__main__":
+if __name__ == "__main__" and os.environ.get("RANK", "0") == "0":  # alone, or rank 0: the others hear it from it
     with clear_errors():  # a bad key or value: its one line in 0.5 s, before the imports below (~8 s)
         check_command_line(sys.argv[1:], validate_config)
 
