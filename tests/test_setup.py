@@ -29,11 +29,16 @@ def grpo(*args, multirun=False):
     return proc
 
 
-def test_help_lists_every_config():
-    shown = grpo("--help").stdout
+@pytest.mark.parametrize("script", ["grpo.py", "grpo-async.py"])
+def test_help_lists_every_config_before_torch_is_imported(script):
+    proc = subprocess.run([sys.executable, "-X", "importtime", str(REPO / "grpo" / script), "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
     names = sorted(p.stem for p in (REPO / "config").glob("*.yaml"))
-    listed = re.findall(r"^  (grpo\w*) {2,}\S", shown, flags=re.M)
-    assert sorted(listed) == names, shown[-2000:]  # config/hydra/help/grpo.yaml lists them, one line each
+    listed = re.findall(r"^  (grpo\w*) {2,}\S", proc.stdout, flags=re.M)
+    assert sorted(listed) == names, proc.stdout[-2000:]  # config/hydra/help/grpo.yaml lists them, one line each
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert "hydra" in imported and not {"torch", "transformers"} & imported  # 0.7 s, not 9
 
 
 def test_a_short_run_prints_no_warnings_and_shows_replies_with_their_rewards(tmp_path):

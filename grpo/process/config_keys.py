@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import hydra
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -90,15 +91,23 @@ def check_retired_overrides(overrides) -> None:
             raise ConfigError(f"{key} is retired: {RETIRED_KEYS[key]} (docs/configuration.md); drop {override!r}.")
 
 
+def show_help() -> None:
+    """Hydra's ``--help`` (config/hydra/help/grpo.yaml: the configs, the main knobs) or ``--hydra-help``, printed by a
+    Hydra app that runs nothing, as the scripts' own would print it: Hydra exits once it has."""
+    hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="grpo_gsm8k")(lambda cfg: None)()
+
+
 def check_command_line(argv: list[str], validate: Callable = check_keys_and_types) -> None:
     """The config a script's command line names, composed as Hydra will and checked by ``validate`` (the scripts
     pass ``grpo.loop.config.validate_config``, which runs ``check_keys_and_types`` first).
 
-    Only a plain command line (``--config-name`` and ``key=value`` overrides) is read here; any other flag (a sweep,
-    ``--help``, ``--config-dir``...) is left to Hydra and to ``validate_config``'s same check in the run, as are
-    Hydra's own ``hydra.*`` overrides. Hydra's refusal of an unknown key spans five lines without a suggestion;
-    this one is a line that names the closest key."""
+    ``--help`` and ``--hydra-help`` are printed here (``show_help``). Only a plain command line (``--config-name``
+    and ``key=value`` overrides) is read; any other flag (a sweep, ``--config-dir``...) is left to Hydra and to the
+    same checks in the run, as are Hydra's own ``hydra.*`` overrides. Hydra's refusal of an unknown key spans five
+    lines without a suggestion; this one is a line that names the closest key."""
     check_retired_overrides(argv)
+    if {"--help", "-h", "--hydra-help"} & set(argv):
+        show_help()
     config_name, overrides, args = "grpo_gsm8k", [], iter(argv)
     for arg in args:
         if arg in ("--config-name", "-cn"):
