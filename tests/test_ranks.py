@@ -279,7 +279,8 @@ def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path, followers_s
         line = f"error: reward.functions[0]='{tmp_path}/rewards.py:nan_late' returned nan"
     if script == "grpo-async.py":
         overrides = [*overrides, "ray.num_cpus=2"]
-    proc = run(tmp_path / "run", overrides, ranks=2, timeout=300, torchrun=torchrun, script=script)  # 41-53 s; 180 ran out once, loaded
+    # 41-53 s; a timeout of 180 ran out once on a loaded machine
+    proc = run(tmp_path / "run", overrides, ranks=2, timeout=300, torchrun=torchrun, script=script)
     assert proc.returncode != 0 and all_gone(proc.session)
     said = [text for text in proc.stderr.splitlines() if text.startswith("error:")]
     assert len(said) == 1 and said[0].startswith(line), proc.stderr[-4000:]
