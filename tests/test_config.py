@@ -151,9 +151,11 @@ def test_the_command_line_check_names_the_closest_key_and_leaves_what_it_does_no
         check_command_line(["env.max_turn=2"])  # grpo_gsm8k, the scripts' default config
     with pytest.raises(ConfigError, match=r"^train.packed_sequences='yes' must be true or false"):
         check_command_line(["-cn", "grpo_tiny", "train.packed_sequences=yes"])
-    # a sweep, Hydra's flags, a missing config: Hydra's, and the run's own validate_config
+    with pytest.raises(ConfigError, match=r"^--config-name grpo_tny: no such config \(did you mean grpo_tiny\?\)"):
+        check_command_line(["--config-name", "grpo_tny", "train.total_steps=4"])
+    check_command_line(["--config-name", "grpo_tiny.yaml", "train.total_steps=4"])
+    # a sweep, Hydra's flags: Hydra's, and the run's own validate_config
     check_command_line(["--config-name", "grpo_tiny", "--multirun", "train.totl_steps=4,5"])
-    check_command_line(["--config-name", "no_such_config", "train.total_steps=4"])
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "grpo-async.py"])

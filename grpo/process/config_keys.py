@@ -118,6 +118,10 @@ def check_command_line(argv: list[str], validate: Callable = check_keys_and_type
             return
         elif not arg.lstrip("+~").startswith("hydra."):
             overrides.append(arg)
+    if not (CONFIG_DIR / f"{config_name.removesuffix('.yaml')}.yaml").is_file():  # Hydra's refusal: its search path
+        close = difflib.get_close_matches(config_name, sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")), n=1)
+        raise ConfigError(f"--config-name {config_name}: no such config{f' (did you mean {close[0]}?)' if close else ''}; "
+                          "--help lists them.")
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(config_name, overrides=overrides)
@@ -126,7 +130,7 @@ def check_command_line(argv: list[str], validate: Callable = check_keys_and_type
         schema = base_schema()
         if unknown and OmegaConf.select(OmegaConf.create(schema), unknown.group(1), default=KeyError) is KeyError:
             raise not_a_key(unknown.group(1), schema) from None
-        return  # another mistake (a missing config, bad override syntax): Hydra's own message, in the run
+        return  # another mistake (bad override syntax): Hydra's own message, in the run
     except Exception:  # an override OmegaConf cannot apply (a key into a list): as Hydra reports it, in the run
         return
     validate(cfg)
