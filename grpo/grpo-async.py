@@ -13,7 +13,6 @@ than ``train.max_policy_lag`` optimiser steps ago, and pushes weights every
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,12 +20,10 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 from grpo.loop.config import validate_config  # noqa: E402
-from grpo.process.config_keys import check_command_line  # noqa: E402
-from grpo.process.errors import clear_errors  # noqa: E402
+from grpo.process.config_keys import check_before_imports  # noqa: E402
 
-if __name__ == "__main__" and os.environ.get("RANK", "0") == "0":  # alone, or rank 0: the others hear it from it
-    with clear_errors():  # a bad key or value: its one line in 0.5 s, before the imports below (~8 s)
-        check_command_line(sys.argv[1:], validate_config)
+if __name__ == "__main__":
+    check_before_imports(validate_config)  # a bad key or value: its one line in 0.5 s, before the imports below (~8 s)
 
 from grpo.loop.run import Run, check_start, follow_run, start_run, train_loop  # noqa: E402
 from grpo.process.ray_placement import RaySettings, driver_gpu, ray_followers, ray_session  # noqa: E402

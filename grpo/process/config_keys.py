@@ -9,7 +9,9 @@ the imports, in the run.
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
-from grpo.process.errors import ConfigError
+from grpo.process.errors import ConfigError, clear_errors
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 # every key a config may hold, with a value of its type: the configs all start from this one
@@ -39,13 +41,16 @@ def base_schema() -> dict:
     return base
 
 
-def not_a_key(key: str, schema: dict) -> ConfigError:
-    """``key`` (dotted) names no config key: the error says so, with the closest key at the first unknown level."""
-    parts, path = key.split("."), ""
-    for part in parts:
+def not_a_key(key: str, schema: dict) -> ConfigError | None:
+    """The error for ``key`` (dotted) where it names no config key, with the closest key at the first unknown level;
+    None where it names one."""
+    path = ""
+    for part in key.split("."):
         if not isinstance(schema, dict) or part not in schema:
             break
         schema, path = schema[part], f"{path}{part}."
+    else:
+        return None
     where = path + part
     close = difflib.get_close_matches(part, [str(k) for k in schema], n=1) if isinstance(schema, dict) else []
     return ConfigError(f"{where} is not a config key{f' (did you mean {path}{close[0]}?)' if close else ''}; "
@@ -120,17 +125,24 @@ def check_command_line(argv: list[str], validate: Callable = check_keys_and_type
             overrides.append(arg)
     if not (CONFIG_DIR / f"{config_name.removesuffix('.yaml')}.yaml").is_file():  # Hydra's refusal: its search path
         close = difflib.get_close_matches(config_name, sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")), n=1)
-        raise ConfigError(f"--config-name {config_name}: no such config{f' (did you mean {close[0]}?)' if close else ''}; "
-                          "--help lists them.")
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"--config-name {config_name}: no such config{hint}; --help lists them.")
     try:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose(config_name, overrides=overrides)
     except HydraException as e:
         unknown = re.match(r"Could not override '([^']+)'", str(e))
-        schema = base_schema()
-        if unknown and OmegaConf.select(OmegaConf.create(schema), unknown.group(1), default=KeyError) is KeyError:
-            raise not_a_key(unknown.group(1), schema) from None
+        if unknown and (error := not_a_key(unknown.group(1), base_schema())):
+            raise error from None
         return  # another mistake (bad override syntax): Hydra's own message, in the run
     except Exception:  # an override OmegaConf cannot apply (a key into a list): as Hydra reports it, in the run
         return
     validate(cfg)
+
+
+def check_before_imports(validate: Callable) -> None:
+    """The scripts' first step: their command line checked by ``check_command_line``, a mistake printed as its one
+    line (exit 2). Alone or as rank 0 only: the other ranks hear of a mistake from rank 0."""
+    if os.environ.get("RANK", "0") == "0":
+        with clear_errors():
+            check_command_line(sys.argv[1:], validate)

@@ -73,7 +73,7 @@ class TaskSettings:
 
 
 # Read by validate_config, which the scripts run before they import torch (grpo.process.config_keys): kept here,
-# in a module that imports none, not beside the classes and functions they name.
+# in a module that imports no torch, not beside the classes and functions they name.
 TASK_NAMES = ("gsm8k", "ifeval", "generic")  # env.task: grpo.tasks.envs.TASKS holds a class for each
 ANSWER_EXTRACTIONS = ("flexible", "strict", "tag")  # gsm8k's reward.answer_extraction (grpo.tasks.rewards)
 
