@@ -154,6 +154,9 @@ def test_the_command_line_check_names_the_closest_key_and_leaves_what_it_does_no
     with pytest.raises(ConfigError, match=r"^--config-name grpo_tny: no such config \(did you mean grpo_tiny\?\)"):
         check_command_line(["--config-name", "grpo_tny", "train.total_steps=4"])
     check_command_line(["--config-name", "grpo_tiny.yaml", "train.total_steps=4"])
+    with pytest.raises(ConfigError, match=r"^env.tools.x=1: cannot be applied \(.*\); a list is set whole"):
+        check_command_line(["train.total_steps=4", "env.tools.x=1"])  # Hydra's own report: a 20-line traceback
+    check_command_line(["env.tools.0=python"])  # an item of a list, by its index
     # a sweep, Hydra's flags: Hydra's, and the run's own validate_config
     check_command_line(["--config-name", "grpo_tiny", "--multirun", "train.totl_steps=4,5"])
 

@@ -127,17 +127,28 @@ def check_command_line(argv: list[str], validate: Callable = check_keys_and_type
         close = difflib.get_close_matches(config_name, sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise ConfigError(f"--config-name {config_name}: no such config{hint}; --help lists them.")
-    try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        try:
             cfg = compose(config_name, overrides=overrides)
-    except HydraException as e:
-        unknown = re.match(r"Could not override '([^']+)'", str(e))
-        if unknown and (error := not_a_key(unknown.group(1), base_schema())):
-            raise error from None
-        return  # another mistake (bad override syntax): Hydra's own message, in the run
-    except Exception:  # an override OmegaConf cannot apply (a key into a list): as Hydra reports it, in the run
-        return
+        except HydraException as e:
+            unknown = re.match(r"Could not override '([^']+)'", str(e))
+            if unknown and (error := not_a_key(unknown.group(1), base_schema())):
+                raise error from None
+            return  # another mistake (bad override syntax): Hydra's own message, in the run
+        except Exception as e:  # an override OmegaConf cannot apply (a name into a list): Hydra shows a traceback
+            raise ConfigError(f"{first_unapplied(config_name, overrides)}: cannot be applied ({e}); a list is set "
+                              "whole (key=[a,b]) or an item by its index (key.0=a).") from None
     validate(cfg)
+
+
+def first_unapplied(config_name: str, overrides: list[str]) -> str:
+    """The first of ``overrides`` that composing ``config_name`` cannot apply (call inside initialize_config_dir)."""
+    for n, override in enumerate(overrides, 1):
+        try:
+            compose(config_name, overrides=overrides[:n])
+        except Exception:
+            return override
+    return " ".join(overrides)
 
 
 def check_before_imports(validate: Callable) -> None:
