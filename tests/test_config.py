@@ -168,6 +168,8 @@ def test_the_command_line_check_names_the_closest_key_and_leaves_what_it_does_no
     ("train.total_steps=abc", "train.total_steps='abc' must be a number."),
     ("env.repeats=1", "env.repeats=1: GRPO compares replies within a group"),
     ("train.optim_batch_size=48", "train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64."),
+    ("env.dataset=/nonexistent/rows.jsonl", "env.dataset='/nonexistent/rows.jsonl': no such file or folder."),
+    ("model.name=/nonexistent/model", "model.name='/nonexistent/model': no such folder."),
 ])
 def test_a_bad_key_or_value_stops_the_script_in_one_line_before_torch_is_imported(tmp_path, script, override, error):
     """Hydra's own refusal of an unknown key took five lines without a suggestion, and any bad value 9 s of imports

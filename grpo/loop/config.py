@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from grpo.process.config_keys import check_keys_and_types
 from grpo.process.errors import ConfigError
+from grpo.tasks.paths import check_data_path, check_model_folder
 from grpo.tasks.settings import ANSWER_EXTRACTIONS, TASK_NAMES, TaskSettings, check_turn_config, parse_spec
 
 VLLM_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -217,6 +218,8 @@ def validate_config(cfg) -> None:
          "be a whole number of prompts >= 1.")
     need(0 < im.gpu_memory_utilization <= 1, f"inference_model.gpu_memory_utilization={im.gpu_memory_utilization} "
          "must be in (0, 1] (vLLM's share of its device's memory).")
+    check_model_folder(cfg.model.name)  # local paths: here, before the scripts' imports, not 9 s into the run
+    check_data_path(cfg.env.dataset, cfg.env.train_split)
 
 
 def warn_if_too_few_rows(cfg, train_rows: int) -> None:

@@ -22,14 +22,7 @@ from torchrl.envs import Compose
 from torchrl.envs.llm.transforms import DataLoadingPrimer
 
 from grpo.process.errors import DataError, ResumeError
-
-LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def looks_local(name_or_path: str) -> bool:
-    """Paths (absolute, relative with a separator, or existing) are local; `org/name` is a hub id."""
-    p = Path(name_or_path).expanduser()
-    return p.exists() or name_or_path.startswith((".", "/", "~")) or p.suffix in LOCAL_SUFFIXES
+from grpo.tasks.paths import LOCAL_SUFFIXES, check_data_path, looks_local
 
 
 def _split_file(folder: Path, split: str) -> Path | None:
@@ -68,13 +61,8 @@ def load_split(
     (a ``DatasetDict`` with that split, or a single ``Dataset``).
     """
     if looks_local(name_or_path):
+        check_data_path(name_or_path, split, key)
         path = Path(name_or_path).expanduser()
-        if not path.exists():
-            raise DataError(
-                f"{key}={name_or_path!r}: no such file or folder. Give an existing local path "
-                f"(jsonl/parquet/csv file, a folder with {split}.jsonl, or a datasets.save_to_disk "
-                "folder) or a hub name such as openai/gsm8k."
-            )
         if path.is_file():
             ds = _read_file(path, key, name_or_path)
         elif (split_file := _split_file(path, split)) is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 from itertools import chain
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -17,34 +16,11 @@ from grpo.process.errors import ModelLoadError
 from grpo.process.world import full, is_sharded
 from grpo.training.attention import use_project_attention
 from grpo.training.settings import ModelSettings
-from grpo.tasks.data import looks_local
-
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
-
-
-def _check_model_name(name: str) -> None:
-    """A local ``model.name`` must be a folder with config.json, a tokenizer and weights: say which is missing
-    (transformers' own error suggests going online, which is no help for a local folder)."""
-    if not looks_local(name):
-        return
-    folder = Path(name).expanduser()
-    if not folder.is_dir():
-        raise ModelLoadError(
-            f"model.name={name!r}: no such folder. Give a local folder holding config.json and the "
-            "weights, or a hub name such as Qwen/Qwen2.5-0.5B-Instruct (needs network or a warm HF cache).")
-    missing = [what for what, present in (
-        ("config.json", (folder / "config.json").is_file()),
-        ("a tokenizer (tokenizer.json or tokenizer_config.json)", any(folder.glob("tokenizer*"))),
-        ("weights (*.safetensors or *.bin)", any(p for pattern in WEIGHT_FILES for p in folder.glob(pattern))),
-    ) if not present]
-    if missing:
-        raise ModelLoadError(f"model.name={name!r}: the folder lacks {', '.join(missing)}; point at the folder "
-                             "save_pretrained wrote (model and tokenizer).")
+from grpo.tasks.paths import check_model_folder
 
 
 def load_tokenizer(name: str):
-    _check_model_name(name)
+    check_model_folder(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except OSError as err:
@@ -94,7 +70,7 @@ def load_causal_lm(name: str, tokenizer, *, dtype: torch.dtype, device: torch.de
     policy, the reference and every inference copy have the same parameter shapes. It attends with
     ``grpo.training.attention`` (SDPA, plus packed rows and decoding's grouped heads).
     """
-    _check_model_name(name)
+    check_model_folder(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except OSError as err:
