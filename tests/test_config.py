@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from conftest import REPO, compose
 from grpo.loop.config import validate_config, warn_if_too_few_rows
 from grpo.process.config_keys import RETIRED_KEYS, check_command_line, check_retired_overrides
-from grpo.process.errors import ConfigError, DataError
+from grpo.process.errors import ConfigError, DataError, ModelLoadError
 from grpo.tasks.envs import TASKS, load_gsm8k
 from grpo.tasks.settings import TASK_NAMES
 
@@ -159,6 +159,21 @@ def test_the_command_line_check_names_the_closest_key_and_leaves_what_it_does_no
     check_command_line(["env.tools.0=python"])  # an item of a list, by its index
     # a sweep, Hydra's flags: Hydra's, and the run's own validate_config
     check_command_line(["--config-name", "grpo_tiny", "--multirun", "train.totl_steps=4,5"])
+
+
+def test_local_paths_are_checked_as_the_run_reads_them_from_the_working_directory_or_the_repo_root(tmp_path,
+                                                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the repo root: the run takes ./assets/tiny-model from there
+    check_command_line(["--config-name", "grpo_tiny", "model.name=./assets/tiny-model", "env.dataset=data/gsm8k_tiny"],
+                       validate_config)
+    with pytest.raises(ModelLoadError, match=r"^model.name='./assets/no-model': no such folder\."):
+        check_command_line(["--config-name", "grpo_tiny", "model.name=./assets/no-model"], validate_config)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match=r"^model.name='model': the folder lacks a tokenizer .*, weights "):
+        check_command_line(["--config-name", "grpo_tiny", "model.name=model"], validate_config)  # local: it is here
+    with pytest.raises(DataError, match=r"^env.dataset='rows.jsonl': no such file or folder\."):
+        check_command_line(["--config-name", "grpo_tiny", "env.dataset=rows.jsonl"], validate_config)
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "grpo-async.py"])

@@ -260,7 +260,7 @@ def test_a_bad_config_value_on_two_ranks_fails_before_any_follower_starts(script
 
 @pytest.mark.parametrize("when", ["start", "start_num_devices", "step_3", "async_start_num_devices", "async_step_3"])
 def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path, followers_started):
-    """A user error once the ranks run: a bad config at start under torchrun, a missing data set (read after rank 0
+    """A user error once the ranks run: a bad config at start under torchrun, an empty data file (read after rank 0
     started its followers: processes, or the async script's Ray actors), or a reward function that returns NaN at
     step 3 (its 51st call: 5 eval replies, then 20 a step; async: in the rollout worker, 20 a batch): rank 0 prints
     the one line, and every rank (and Ray actor) exits, non-zero, within the timeout."""
@@ -269,7 +269,8 @@ def test_a_user_error_stops_every_rank_with_one_line(when, tmp_path, followers_s
     if when == "start":
         overrides, line = ["train.epochs=0"], "error: train.epochs=0 must be >= 1."
     elif when == "start_num_devices":
-        overrides, line = [f"env.dataset={tmp_path}/missing"], f"error: env.dataset='{tmp_path}/missing': no such file"
+        (tmp_path / "empty.jsonl").touch()  # a missing one is refused on the command line, before any rank starts
+        overrides, line = [f"env.dataset={tmp_path}/empty.jsonl"], f"error: env.dataset='{tmp_path}/empty.jsonl': "
     else:
         (tmp_path / "rewards.py").write_text(NAN_LATE)
         overrides = [*SHORT_RUN, "train.total_steps=5", "env.task=generic", "env.dataset=examples/my_task",

@@ -10,6 +10,16 @@ from grpo.process.errors import DataError, ModelLoadError
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def as_the_run_reads_it(name: str) -> Path:
+    """``name`` from the working directory, else from the repo root where it is there: the run's
+    ``grpo.process.setup.resolve_local_paths`` rewrites it so before any loader reads it."""
+    path = Path(name).expanduser()
+    if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
+        return REPO_ROOT / path
+    return path
 
 
 def looks_local(name_or_path: str) -> bool:
@@ -21,9 +31,9 @@ def looks_local(name_or_path: str) -> bool:
 def check_model_folder(name: str, key: str = "model.name") -> None:
     """A local model must be a folder with config.json, a tokenizer and weights: say which is missing
     (transformers' own error suggests going online, which is no help for a local folder)."""
-    if not looks_local(name):
+    folder = as_the_run_reads_it(name)
+    if not (looks_local(name) or folder.exists()):
         return
-    folder = Path(name).expanduser()
     if not folder.is_dir():
         raise ModelLoadError(
             f"{key}={name!r}: no such folder. Give a local folder holding config.json and the "
@@ -40,7 +50,7 @@ def check_model_folder(name: str, key: str = "model.name") -> None:
 
 def check_data_path(name_or_path: str, split: str, key: str = "env.dataset") -> None:
     """A local data path must exist (what it holds is checked as it loads: ``grpo.tasks.data.load_split``)."""
-    if looks_local(name_or_path) and not Path(name_or_path).expanduser().exists():
+    if looks_local(name_or_path) and not as_the_run_reads_it(name_or_path).exists():
         raise DataError(
             f"{key}={name_or_path!r}: no such file or folder. Give an existing local path "
             f"(jsonl/parquet/csv file, a folder with {split}.jsonl, or a datasets.save_to_disk "
