@@ -50,7 +50,7 @@ def never_stopping_rollouts(replies: int, group: int, max_new_tokens: int, seed:
     from grpo.inference.decoding import ReplySampler
     from grpo.inference.engine import make_transformers_policy
     from grpo.inference.generation import EngineSettings, generate_kwargs
-    from grpo.process.setup import resolve_local_paths
+    from grpo.tasks.paths import resolve_local_paths
     from grpo.tasks.envs import make_env
     from grpo.tasks.settings import TaskSettings
     from grpo.training.models import load_policy_model, load_tokenizer

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from transformers.utils import logging as hf_logging
 
 from grpo.process.errors import ExportError, clear_errors
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.prompt_checks import wrapper_chat_template
 from grpo.training import checkpoint as ckpt
 from grpo.training.models import inference_state_dict, load_policy_model, load_tokenizer, stop_token_ids

@@ -12,7 +12,7 @@ from conftest import compose
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.data import serve_from
 from grpo.tasks.envs import OneTurnCollector, inverts_nothing, make_collector, make_env
 from grpo.tasks.settings import TaskSettings

@@ -12,7 +12,7 @@ from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.episode_policy import cut_at_stop
 from grpo.inference.generation import EngineSettings, generate_kwargs
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import EnvTurn

@@ -8,7 +8,7 @@ from conftest import compose, perturbed, reply_log_probs
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import TransformersInference, make_transformers_policy
 from grpo.inference.generation import EngineSettings, InferenceEngine, generate_kwargs, weights_checksum
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.envs import make_collector, make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.training.batch import to_training_batch

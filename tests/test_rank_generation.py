@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SHORT_RUN, TINY_DATA, TINY_MODEL, compose
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.data import PromptStream, data_primer
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings

@@ -7,7 +7,7 @@ import torch
 
 from conftest import SHORT_RUN, compose, train_in_process
 from grpo.loop.logger import read_metrics
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.training.batch import to_training_batch
 from grpo.training.logprobs import ReplyLogProbs, gathered_scores, queue_scores, queued_copy, score_replies
 from grpo.training.models import load_causal_lm, load_tokenizer

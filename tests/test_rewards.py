@@ -198,12 +198,12 @@ def test_env_reward_follows_answer_extraction(mode, rewards, answered):
     from conftest import compose
     from torchrl.data.llm import History
 
-    import grpo.process.setup
+    import grpo.tasks.paths
     from grpo.tasks.envs import make_env
     from grpo.training.models import load_tokenizer
 
     cfg = compose("grpo_tiny", [f"reward.answer_extraction={mode}"])
-    grpo.process.setup.resolve_local_paths(cfg)
+    grpo.tasks.paths.resolve_local_paths(cfg)
     tok = load_tokenizer(cfg.model.name)
     env = make_env(TaskSettings.from_config(cfg), tok, split="test", repeats=2, num_envs=4, shuffle=False)
     td = env.reset()

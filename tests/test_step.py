@@ -16,7 +16,7 @@ from conftest import compose, reply_log_probs
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.training.advantages import group_advantages, overlong_penalty

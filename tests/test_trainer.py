@@ -9,7 +9,7 @@ import torch
 from conftest import compose
 from grpo.inference.engine import make_inference
 from grpo.inference.generation import EngineSettings
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.envs import make_collector, make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.training.models import load_policy_model, load_tokenizer, stop_token_ids

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from conftest import compose
 from grpo.inference.engine import TransformersInference
 from grpo.inference.generation import EngineSettings, weights_checksum
-from grpo.process.setup import resolve_local_paths
+from grpo.tasks.paths import resolve_local_paths
 from grpo.process.world import World, is_sharded
 from grpo.training.batch import micro_batch_rows
 from grpo.training.checkpoint import list_checkpoints, load_checkpoint, save_checkpoint

@@ -38,13 +38,14 @@ from grpo.process.devices import DeviceAllocation, PlacementSettings, allocate_d
 from grpo.process.errors import CheckpointError, ConfigError, UserError
 from grpo.process.launch import exit_with_leader
 from grpo.process.setup import (REPO_ROOT, RunDirClaim, StopFlag, StopRequested, freeze_long_lived_objects,
-                                raise_if_interrupted_twice, resolve_local_paths, resolved_config, seed_everything,
+                                raise_if_interrupted_twice, resolved_config, seed_everything,
                                 write_hydra_record)
 from grpo.process.world import World
 from grpo.rollout.dynamic_sampling import draw_step_batch
 from grpo.rollout.local_rollouts import RankGeneration
 from grpo.rollout.settings import RolloutSettings
 from grpo.tasks.envs import load_splits, task_of
+from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.prompt_checks import check_prompt_lengths, check_prompt_text
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import make_turn_env, turn_stop_ids

@@ -60,17 +60,6 @@ def ray_pythonpath() -> str:
     return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 
-def resolve_local_paths(cfg) -> None:
-    """Relative ``model.name`` / ``env.dataset`` that do not exist from the working directory are
-    taken from the repo root, so the tiny configs run from anywhere."""
-    for section, key in (("model", "name"), ("env", "dataset")):
-        value = cfg[section][key]
-        if isinstance(value, str) and not Path(value).is_absolute() and not Path(value).exists():
-            candidate = REPO_ROOT / value
-            if candidate.exists():
-                cfg[section][key] = str(candidate)
-
-
 class RunDirClaim:
     """This process's hold on a run dir for the run's life: an exclusive lock on its ``.run.lock``.
 

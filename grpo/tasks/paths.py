@@ -1,6 +1,7 @@
-"""Which names are local paths, and whether a local model folder or data path is there: checks that import only
-pathlib, so the scripts run them on their command line (``grpo.loop.config.validate_config``) before the ~9 s of
-imports, and the loaders run them again on the names they are handed."""
+"""Which names are local paths, where the run reads a relative one from (``resolve_local_paths``), and whether a
+local model folder or data path is there: checks that import only pathlib, so the scripts run them on their
+command line (``grpo.loop.config.validate_config``) before the ~9 s of imports, and the loaders run them again on
+the names they are handed."""
 
 from __future__ import annotations
 
@@ -13,13 +14,26 @@ WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.ind
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def as_the_run_reads_it(name: str) -> Path:
-    """``name`` from the working directory, else from the repo root where it is there: the run's
-    ``grpo.process.setup.resolve_local_paths`` rewrites it so before any loader reads it."""
-    path = Path(name).expanduser()
+def from_repo_root(name: str) -> Path | None:
+    """``REPO_ROOT / name`` where ``name`` is relative, not there from the working directory, but there: where the
+    run reads it from, so the tiny configs run from anywhere."""
+    path = Path(name)
     if not path.is_absolute() and not path.exists() and (REPO_ROOT / path).exists():
         return REPO_ROOT / path
-    return path
+    return None
+
+
+def as_the_run_reads_it(name: str) -> Path:
+    """``name`` from the working directory, else from the repo root (``resolve_local_paths``)."""
+    return from_repo_root(name) or Path(name).expanduser()
+
+
+def resolve_local_paths(cfg) -> None:
+    """``model.name`` and ``env.dataset`` rewritten to the repo root's path where the run reads them from there."""
+    for section, key in (("model", "name"), ("env", "dataset")):
+        value = cfg[section][key]
+        if isinstance(value, str) and (path := from_repo_root(value)):
+            cfg[section][key] = str(path)
 
 
 def looks_local(name_or_path: str) -> bool:
