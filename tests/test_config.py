@@ -4,14 +4,15 @@ import re
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from conftest import REPO, compose
 from grpo.loop.config import validate_config, warn_if_too_few_rows
-from grpo.process.config_keys import RETIRED_KEYS, check_command_line, check_retired_overrides
-from grpo.process.errors import ConfigError, DataError, ModelLoadError
+from grpo.process.config_keys import RETIRED_KEYS, check_command_line, check_retired_overrides, no_gpu_here
+from grpo.process.errors import NO_GPU, ConfigError, DataError, ModelLoadError
 from grpo.tasks.envs import TASKS, load_gsm8k
 from grpo.tasks.settings import TASK_NAMES
 
@@ -185,14 +186,16 @@ def test_local_paths_are_checked_as_the_run_reads_them_from_the_working_director
     ("train.optim_batch_size=48", "train.optim_batch_size=48 must divide train.dialog_turns_per_batch=64."),
     ("env.dataset=/nonexistent/rows.jsonl", "env.dataset='/nonexistent/rows.jsonl': no such file or folder."),
     ("model.name=/nonexistent/model", "model.name='/nonexistent/model': no such folder."),
+    ("allow_cpu=false", NO_GPU),  # CUDA_VISIBLE_DEVICES= below: no GPU, on any machine
 ])
 def test_a_bad_key_or_value_stops_the_script_in_one_line_before_torch_is_imported(tmp_path, script, override, error):
-    """Hydra's own refusal of an unknown key took five lines without a suggestion, and any bad value 9 s of imports
-    before its line."""
+    """Hydra's own refusal of an unknown key took five lines without a suggestion, and any bad value (or a GPU job
+    on a machine without one) 9 s of imports before its line."""
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", str(REPO / "grpo" / script), "--config-name", "grpo_tiny", override,
          f"hydra.run.dir={tmp_path / 'run'}"],
-        capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=300,
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.splitlines()
@@ -201,6 +204,15 @@ def test_a_bad_key_or_value_stops_the_script_in_one_line_before_torch_is_importe
     imported = {line.split("|")[-1].strip() for line in lines if line.startswith("import time:")}
     assert "hydra" in imported and not {"torch", "torchrl", "transformers"} & imported
     assert not (tmp_path / "run").exists()
+
+
+def test_no_gpu_here_reads_cuda_visible_devices_and_the_machine_s_device_nodes(monkeypatch):
+    for hidden in ("", "-1", " "):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert no_gpu_here()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    nodes = [p for p in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg") if Path(p).exists()]
+    assert no_gpu_here() == (not nodes)
 
 
 def test_a_misspelt_key_in_a_users_own_yaml_stops_the_script_in_one_line(tmp_path):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo.process.allocation import RAY_ASSIGNED, DeviceAllocation, ids_text
-from grpo.process.errors import DeviceAllocationError
+from grpo.process.errors import NO_GPU, DeviceAllocationError
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,7 @@ def allocate_devices(placement: PlacementSettings, *, inference_engines: int, de
 
     if n == 0:
         if not _flag(placement.allow_cpu, "allow_cpu", False):
-            raise DeviceAllocationError("No GPU visible for the train, ref and inference models. "
-                                        "Fix: allow_cpu=true (tiny models only) or run on a GPU machine")
+            raise DeviceAllocationError(NO_GPU)
         return DeviceAllocation([], [], [], cpu=True, gpu_memory_utilization=gmu, notes=notes,
                                 generating_ranks=generating)
     if placed_by_ray:

@@ -23,6 +23,10 @@ class DeviceAllocationError(ConfigError):
     """A GPU request that cannot be met; raised before any model is loaded."""
 
 
+NO_GPU = ("No GPU visible for the train, ref and inference models. Fix: allow_cpu=true (tiny models only) or run on a "
+          "GPU machine")  # grpo.process.devices.allocate_devices, and the scripts' command-line check before torch
+
+
 class DataError(UserError, ValueError):
     """A data set that cannot be used: missing, unreadable, or a row that breaks the task's format."""
 
