@@ -5,7 +5,7 @@ import pytest
 
 from conftest import compose
 from grpo.process.errors import ConfigError
-from grpo.tasks.python_tool import holds_call, parse_call
+from grpo.tasks.python_tool import EXAMPLE_CALL, holds_call, parse_call
 from grpo.tasks.sandbox import Sandbox, SandboxSettings
 from grpo.tasks.settings import TaskSettings, check_turn_config
 from grpo.tasks.tool_env import Episode, PythonToolEnv
@@ -31,9 +31,9 @@ def episode(*turns: str) -> Episode:
     ('<tool_call>{"name": "python", "arguments": {"source": "print(1)"}}</tool_call>', 'one argument, "code"'),
     ('<tool_call>[1, 2]</tool_call>', "a JSON object"),
 ])
-def test_a_malformed_call_is_named(text, error):
+def test_a_malformed_call_is_named_and_answered_with_the_call_to_write(text, error):
     code, message = parse_call(text)
-    assert code is None and error in message
+    assert code is None and error in message and EXAMPLE_CALL in message
 
 
 def test_a_call_s_code_is_read_whether_its_arguments_are_an_object_or_a_json_string():
