@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 
 from grpo.process.errors import NO_GPU, ConfigError, DeviceAllocationError, clear_errors
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
+REPO_ROOT = Path(__file__).resolve().parents[2]  # its config/; relative model and data paths fall back to it
+CONFIG_DIR = REPO_ROOT / "config"
 # every key a config may hold, with a value of its type: the configs all start from this one
 BASE_CONFIG = CONFIG_DIR / "grpo_gsm8k.yaml"
 

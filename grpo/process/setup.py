@@ -23,12 +23,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tensordict import set_list_to_stack
 
+from grpo.process.config_keys import CONFIG_DIR, REPO_ROOT
 from grpo.process.console import quiet_libraries
 from grpo.process.devices import PlacementSettings
 from grpo.process.errors import ConfigError, RunDirError, clear_errors
 from grpo.process.launch import agree_with_launcher, trainer_world
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def hydra_main(train, script: str, check: Callable, followers=None) -> None:
@@ -37,7 +36,7 @@ def hydra_main(train, script: str, check: Callable, followers=None) -> None:
     script, size)``: by default ``script`` run as each) once ``check(cfg)`` passed, torchrun's are joined
     (``grpo.process.launch``), and they stop with it however it ends."""
 
-    @hydra.main(version_base="1.3", config_path=str(REPO_ROOT / "config"), config_name="grpo_gsm8k")
+    @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="grpo_gsm8k")
     def main(cfg) -> None:
         set_list_to_stack(True).set()
         quiet_libraries()

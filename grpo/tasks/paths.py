@@ -1,5 +1,5 @@
 """Which names are local paths, where the run reads a relative one from (``resolve_local_paths``), and whether a
-local model folder or data path is there: checks that import only pathlib, so the scripts run them on their
+local model folder or data path is there: checks that import no torch, so the scripts run them on their
 command line (``grpo.loop.config.validate_config``) before the ~9 s of imports, and the loaders run them again on
 the names they are handed."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from grpo.process.config_keys import REPO_ROOT
 from grpo.process.errors import DataError, ModelLoadError
 
 LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def from_repo_root(name: str) -> Path | None:
