@@ -10,12 +10,14 @@ from torchrl.modules.llm.policies.common import ChatHistory
 from conftest import compose
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
-from grpo.inference.episode_policy import cut_at_stop
+from grpo.inference.episode_policy import EpisodePolicy, cut_at_stop
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
-from grpo.tasks.tool_env import EnvTurn
+from grpo.tasks.python_tool import output_block
+from grpo.tasks.sandbox import Sandbox, SandboxSettings
+from grpo.tasks.tool_env import EnvTurn, PythonCodeBlockEnv
 from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 from torchrl_wrapper import torchrl_history_policy
 
@@ -183,3 +185,39 @@ def test_a_turn_ends_at_its_first_stop_token():
     assert reply.tolist() == [8, 9, 2] and lp.tolist() == [-1.0, -0.5, -0.25] and stopped
     reply, lp, stopped = cut_at_stop(torch.tensor([8, 9, 10]), torch.tensor([-0.2] * 3), stops)
     assert reply.tolist() == [8, 9, 10] and not stopped
+
+
+def test_a_code_interpreter_s_turn_ends_at_its_block_s_fence_and_the_output_continues_the_same_reply(tiny):
+    """What the engine sampled after a ```python block's closing fence was written without the code's output: the
+    turn is cut there (its tokens and log-probs a prefix of the sampled ones), the output block follows as text
+    alone (no chat-template turn around it, masked), and the next turn samples on from that context."""
+    _, tok, _, options = tiny
+    eos = options["eos_token_id"][0]
+    written = ["Let me compute.\n```python\nprint(6 * 7)\n```\nIt prints 41. The answer is 41.", "The answer is 42."]
+    sampled = [torch.tensor(tok.encode(text, add_special_tokens=False) + [eos]) for text in written]
+    contexts = []
+
+    def sample(prompts, max_new_tokens, batch_rows):
+        contexts.append([p.clone() for p in prompts])
+        reply = sampled[len(contexts) - 1]
+        return [(reply, -torch.arange(1, len(reply) + 1, dtype=torch.float) / 100) for _ in prompts]
+
+    env = PythonCodeBlockEnv(Sandbox(SandboxSettings(timeout_s=5.0, cpu_s=5, workers=2)), max_turns=3,
+                             max_episode_tokens=300, max_calls=2)
+    policy = EpisodePolicy(sample, tok, max_new_tokens=64, stop_ids=[eos], pad_id=tok.pad_token_id, turn_env=env)
+    chats = [[{"role": "user", "content": "What is 6 x 7?"}]]
+    out = policy(TensorDict(history=ChatHistory(prompt=History.from_chats(chats)), batch_size=(1,)))[0]
+
+    tokens, mask, lps = out["tokens", "response"], out["episode", "sampled_mask"], out["log_probs", "response"]
+    cut = int(mask.long().cumprod(0).sum())  # the first turn: sampled tokens up to the first environment token
+    first = tok.decode(tokens[:cut])
+    assert first.endswith("```") and "It prints 41" not in first  # cut at the fence, the guess dropped
+    assert torch.equal(tokens[:cut], sampled[0][:cut]) and torch.equal(lps[:cut], -torch.arange(1, cut + 1) / 100)
+    output = torch.tensor(tok.encode(output_block("42\n"), add_special_tokens=False, split_special_tokens=True))
+    assert torch.equal(tokens[cut:cut + len(output)], output) and not bool(mask[cut:cut + len(output)].any())
+    assert torch.equal(tokens[cut + len(output):], sampled[1]) and bool(mask[cut + len(output):].all())
+    assert torch.equal(contexts[1][0], torch.cat([out["tokens", "prompt"], tokens[:cut + len(output)]]))
+    assert out["history", "response"].role == ["assistant", "tool", "assistant"]
+    assert out["history", "response"].content[-1] == "The answer is 42."
+    assert int(out["episode", "turns"]) == 2 and int(out["episode", "tool_calls"]) == 1
+    assert not bool(out["episode", "truncated"])

@@ -7,8 +7,9 @@ contexts in one engine call (``sample``), the turn environment answers all of th
 sample again.
 
 Token in, token out: an episode's tokens are the prompt's, then each turn's sampled tokens exactly as the engine
-returned them (cut after the turn's first stop token), then the environment's turn, rendered by the chat template
-around its text (``EnvTurnTokens``), and so on. Nothing sampled is decoded and re-tokenized. ``sampled_mask`` marks
+returned them (cut after the turn's first stop token, or a code interpreter's call: ``cut_at_call``), then the
+environment's turn, rendered by the chat template around its text (``EnvTurnTokens``; or its text alone where it
+continues the reply), and so on. Nothing sampled is decoded and re-tokenized. ``sampled_mask`` marks
 the sampled tokens: the loss, the KL terms, the entropy and the reply-length statistics read those alone.
 
 An episode ends at the model's final answer (a turn the environment does not answer), at ``max_turns``, when a turn
@@ -64,11 +65,14 @@ class EnvTurnTokens:
         encode = functools.partial(self.tokenizer.encode, add_special_tokens=False)
         return encode(before), encode(rest)
 
-    def __call__(self, message: dict, turn: torch.Tensor) -> torch.Tensor:
+    def __call__(self, message: dict, turn: torch.Tensor, inline: bool = False) -> torch.Tensor:
+        """``inline``: the message continues the assistant's reply, with no template text around it."""
+        content = self.tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
+        if inline:
+            return torch.tensor(content, dtype=torch.long)
         before, after = self.around(message["role"])
         if before and len(turn) and int(turn[-1]) == before[0]:
             before = before[1:]  # the turn ended on the template's end-of-turn token itself (eos): not twice
-        content = self.tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
         return torch.tensor(before + content + after, dtype=torch.long)
 
 
@@ -154,6 +158,7 @@ class EpisodePolicy(torch.nn.Module):
         env = self.turn_env
         max_turns = env.max_turns if env is not None else 1
         budget = env.max_episode_tokens if env is not None else self.max_new_tokens
+        call_end = getattr(env, "call_end", None)  # a code interpreter's: where a turn's call ends (TurnEnv)
         episodes = [EpisodeState(prompt) for prompt in prompts]
         active = list(range(len(prompts)))
         for turn in range(max_turns):
@@ -163,6 +168,8 @@ class EpisodePolicy(torch.nn.Module):
             for i, (reply, log_probs) in zip(active, sampled):
                 episode = episodes[i]
                 reply, log_probs, stopped = cut_at_stop(reply, log_probs, self.stop_ids)
+                if call_end is not None:
+                    reply, log_probs, stopped = self.cut_at_call(reply, log_probs, stopped, call_end)
                 room = budget - episode.length
                 stopped = stopped and reply.numel() <= room
                 reply, log_probs = reply[:room], log_probs[:room]
@@ -187,7 +194,7 @@ class EpisodePolicy(torch.nn.Module):
                 episode = episodes[i]
                 for name, count in env_turn.counts.items():
                     episode.counts[name] = episode.counts.get(name, 0) + int(count)
-                tokens = self.env_tokens(env_turn.message, episode.tokens_of_last_turn())
+                tokens = self.env_tokens(env_turn.message, episode.tokens_of_last_turn(), env_turn.inline)
                 if episode.length + tokens.numel() >= budget:  # no room left to answer in
                     episode.truncated = True
                     continue
@@ -196,6 +203,20 @@ class EpisodePolicy(torch.nn.Module):
             if not active:  # every answer left its episode no room to reply
                 break
         return episodes
+
+    def cut_at_call(self, reply: torch.Tensor, log_probs: torch.Tensor, stopped: bool, call_end):
+        """A turn up to the end of its first call (``call_end`` of its text), where it holds one: what the engine
+        sampled after it was written without the call's answer, and is dropped as if the engine had stopped there.
+        The cut is the shortest prefix whose text holds the whole call (a binary search of decodes: no char-to-token
+        map, which multi-byte tokens would break)."""
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        if call_end(decode(reply)) is None:
+            return reply, log_probs, stopped
+        low, high = 1, reply.numel()
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (mid + 1, high) if call_end(decode(reply[:mid])) is None else (low, mid)
+        return reply[:low], log_probs[:low], True
 
     def message_text(self, reply: torch.Tensor, stopped: bool) -> str:
         """A turn's text as its assistant message holds it: decoded once, without its stop token, stripped."""

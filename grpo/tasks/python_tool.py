@@ -1,9 +1,13 @@
-"""The Python tool a model calls between turns, in its own tool-call format.
+"""The Python tool a model calls between turns, in its own tool-call format, or as a code interpreter.
 
 The chat template renders ``PYTHON_TOOL`` where its ``tools=`` argument asks (Qwen2.5's ``# Tools`` block); the model
 calls it as ``<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>`` (or a fenced JSON object of that shape,
 ``FENCED_CALL``) and the result comes back as a
 ``tool`` message, rendered by the template (Qwen2.5: a user turn holding ``<tool_response>...</tool_response>``).
+
+As a code interpreter (``tools.call_format: code_block``) the call is a fenced ```` ```python ```` block in the
+model's reply, as coder models write code unprompted, and what it prints follows in the same reply as an
+```` ```output ```` block (``output_block``), the model writing on after it.
 """
 
 from __future__ import annotations
@@ -78,3 +82,26 @@ def parse_call(text: str) -> tuple[str | None, str | None]:
 
 
 EXAMPLE_CALL = '{"name": "python", "arguments": {"code": "print(6 * 7)"}}'
+
+
+# A fenced Python block as a code interpreter's call: the reply is cut at its closing fence (``code_block_end``), so
+# the model reads what the code printed, not what it guessed. Qwen2.5-Coder-0.5B-Instruct wrote one, unasked, in
+# 55 of 319 held-out GSM8K replies at step 0; under the tool_call prompt it called the tool in 4 of 64 (docs/tools.md)
+CODE_BLOCK = re.compile(r"```python[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def code_block_end(text: str) -> int | None:
+    """Where the first complete ```python block of ``text`` ends (after its closing fence), or None."""
+    match = CODE_BLOCK.search(text)
+    return match.end() if match else None
+
+
+def code_block(text: str) -> str | None:
+    """The code of the first complete ```python block of ``text``, or None."""
+    match = CODE_BLOCK.search(text)
+    return match.group(1) if match else None
+
+
+def output_block(output: str) -> str:
+    """What follows a code block in the reply: what the code printed, fenced as ```output."""
+    return f"\n```output\n{output.rstrip()}\n```\n"

@@ -36,6 +36,7 @@ class TaskSettings:
     reward_weights: Sequence[float]  # one per reward function; empty: 1.0 each
     reward_timeout_s: float         # one reward-function call (or batch) may take this long
     success_threshold: float        # generic task: a reply whose reward is above it counts as solved
+    tool_call_format: str           # python tool: tool_call (<tool_call> JSON) or code_block (```python blocks)
     tool_max_calls: int             # python tool: calls an episode may make
     tool_timeout_s: float           # python tool: the sandbox's limits on a call (grpo.tasks.sandbox.SandboxSettings)
     tool_cpu_s: int
@@ -57,7 +58,8 @@ class TaskSettings:
                    answer_extraction=reward.answer_extraction, ifeval_weights=reward.ifeval_weights,
                    reward_functions=reward.functions, reward_weights=reward.weights,
                    reward_timeout_s=reward.timeout_s, success_threshold=reward.success_threshold,
-                   tool_max_calls=tools.max_calls, tool_timeout_s=tools.timeout_s, tool_cpu_s=tools.cpu_s,
+                   tool_call_format=tools.call_format, tool_max_calls=tools.max_calls,
+                   tool_timeout_s=tools.timeout_s, tool_cpu_s=tools.cpu_s,
                    tool_memory_mb=tools.memory_mb, tool_file_size_mb=tools.file_size_mb,
                    tool_processes=tools.processes, tool_output_chars=tools.output_chars, tool_workers=tools.workers)
 
@@ -75,6 +77,7 @@ class TaskSettings:
 # Read by validate_config, which the scripts run before they import torch (grpo.process.config_keys): kept here,
 # in a module that imports no torch, not beside the classes and functions they name.
 TASK_NAMES = ("gsm8k", "ifeval", "generic")  # env.task: grpo.tasks.envs.TASKS holds a class for each
+CALL_FORMATS = ("tool_call", "code_block")  # tools.call_format: grpo.tasks.tool_env's two Python tool envs
 ANSWER_EXTRACTIONS = ("flexible", "strict", "tag")  # gsm8k's reward.answer_extraction (grpo.tasks.rewards)
 
 
@@ -83,6 +86,9 @@ def check_turn_config(settings: TaskSettings) -> None:
     tools, turn_env, turns = list(settings.tools), settings.turn_env, settings.max_turns
     if any(tool != "python" for tool in tools) or len(tools) > 1:
         raise ConfigError(f"env.tools={tools}: the tools are [python] or [] (a tool of your own: env.turn_env).")
+    if settings.tool_call_format not in CALL_FORMATS:
+        raise ConfigError(f"tools.call_format={settings.tool_call_format!r}: write tool_call (<tool_call> JSON) or "
+                          "code_block (```python blocks run as they are written).")
     if tools and turn_env:
         raise ConfigError(f"env.tools={tools} and env.turn_env={turn_env!r}: one answers between turns; set the other "
                           "to [] / null.")

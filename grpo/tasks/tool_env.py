@@ -8,6 +8,10 @@ every episode's code of the batch at once in the sandbox (``grpo.tasks.sandbox``
 never holding the batch), and returns what the code printed as a ``tool`` message. A malformed call (bad JSON, an
 unknown tool, no closing tag, calls past ``tools.max_calls``) is answered with a message saying what was wrong,
 never an exception. A turn without a tool call is the final answer.
+
+``PythonCodeBlockEnv`` (``tools.call_format: code_block``) is the same tool as a code interpreter: a turn ends at the
+closing fence of its first ```python block (``call_end``), the sandbox runs the block, and its output continues the
+same assistant reply as an ```output block (``EnvTurn.inline``), the model writing on after it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from grpo.tasks.python_tool import CALL_CLOSE, PYTHON_TOOL, holds_call, parse_call
+from grpo.tasks.python_tool import (CALL_CLOSE, PYTHON_TOOL, code_block, code_block_end, holds_call, output_block,
+                                    parse_call)
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.user_code import call_user, import_object
 
@@ -34,9 +39,11 @@ class Episode:
 @dataclass
 class EnvTurn:
     """The environment's answer to a turn: one message (``role``, ``content``), rendered by the chat template, and
-    what it counts (``EPISODE_COUNTS`` names: a tool call, an error, a timeout, a failure of the tool itself)."""
+    what it counts (``EPISODE_COUNTS`` names: a tool call, an error, a timeout, a failure of the tool itself).
+    ``inline``: the content continues the assistant's reply as it is, no template turn around it."""
     message: dict
     counts: dict = field(default_factory=dict)
+    inline: bool = False
 
 
 class TurnEnv(Protocol):
@@ -51,6 +58,9 @@ class TurnEnv(Protocol):
     def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
         """Its answers to the turns it answers, in order, all at once (a tool runs them concurrently)."""
 
+    # Optional: ``call_end(text) -> int | None``, where a turn's text is cut, its call whole (a code interpreter's
+    # ```python block: ``PythonCodeBlockEnv``); without it a turn ends at a stop token only.
+
 
 NO_OUTPUT = "[no output: print() what you want to see]"
 
@@ -64,28 +74,53 @@ class PythonToolEnv:
     def answers(self, episode: Episode) -> bool:
         return holds_call(episode.messages[-1]["content"])
 
+    def call_code(self, text: str) -> tuple[str | None, str | None]:
+        """A turn's call: ``(code, None)``, or ``(None, why it is malformed)``."""
+        return parse_call(text)
+
+    def answer(self, text: str, counts: dict) -> EnvTurn:
+        return EnvTurn(tool_message(text), counts)
+
     def respond(self, episodes: list[Episode]) -> list[EnvTurn]:
         answers: list[EnvTurn | None] = []
         to_run = []  # (episode's place, code)
         for i, episode in enumerate(episodes):
             calls = 1 + sum(message["role"] == "tool" for message in episode.messages)
-            code, error = parse_call(episode.messages[-1]["content"])
+            code, error = self.call_code(episode.messages[-1]["content"])
             if error is None and calls > self.max_calls:
                 error = f"no more tool calls: this episode has used its {self.max_calls}; give your final answer"
             if error is not None:
-                answers.append(EnvTurn(tool_message(f"Error: {error}"), {"tool_calls": 1, "tool_errors": 1}))
+                answers.append(self.answer(f"Error: {error}", {"tool_calls": 1, "tool_errors": 1}))
             else:
                 answers.append(None)
                 to_run.append((i, code))
         for (i, _), run in zip(to_run, self.sandbox.run_many([code for _, code in to_run]), strict=True):
             if run.failed is not None:  # the sandbox's failure, not the model's: its episode leaves the statistics
-                answers[i] = EnvTurn(tool_message(f"Error: the tool could not run ({run.failed})"),
-                                     {"tool_calls": 1, "tool_failures": 1})
+                answers[i] = self.answer(f"Error: the tool could not run ({run.failed})",
+                                         {"tool_calls": 1, "tool_failures": 1})
                 continue
             counts = {"tool_calls": 1, "tool_timeouts": int(run.timed_out),
                       "tool_errors": int(run.timed_out or run.exit_code != 0)}
-            answers[i] = EnvTurn(tool_message(run.output or NO_OUTPUT), counts)
+            answers[i] = self.answer(run.output or NO_OUTPUT, counts)
         return answers
+
+
+class PythonCodeBlockEnv(PythonToolEnv):
+    """The Python tool as a code interpreter: the first ```python block of a turn runs, and what it printed follows
+    in the same reply as an ```output block."""
+
+    def call_end(self, text: str) -> int | None:
+        """Where a turn's text is cut: after its first complete ```python block (None: it holds none)."""
+        return code_block_end(text)
+
+    def answers(self, episode: Episode) -> bool:
+        return code_block(episode.messages[-1]["content"]) is not None
+
+    def call_code(self, text: str) -> tuple[str | None, str | None]:
+        return code_block(text), None
+
+    def answer(self, text: str, counts: dict) -> EnvTurn:
+        return EnvTurn(tool_message(output_block(text)), counts, inline=True)
 
 
 class UserTurnEnv:
@@ -94,6 +129,8 @@ class UserTurnEnv:
 
     def __init__(self, env, spec: str):
         self.env, self.spec = env, spec
+        if hasattr(env, "call_end"):  # optional (TurnEnv): where a turn is cut, its call whole
+            self.call_end = lambda text: call_user(f"env.turn_env={spec!r}: its call_end()", env.call_end, text)
 
     max_turns = property(lambda self: self.env.max_turns)
     max_episode_tokens = property(lambda self: self.env.max_episode_tokens)
@@ -125,19 +162,21 @@ def make_turn_env(settings: TaskSettings, tokenizer) -> TurnEnv | None:
                                           file_size_mb=s.tool_file_size_mb, processes=s.tool_processes,
                                           output_chars=s.tool_output_chars, workers=s.tool_workers))
         print(sandbox.describe(), flush=True)
-        return PythonToolEnv(sandbox, max_turns=s.max_turns, max_episode_tokens=budget, max_calls=s.tool_max_calls)
+        env_class = PythonCodeBlockEnv if s.tool_call_format == "code_block" else PythonToolEnv
+        return env_class(sandbox, max_turns=s.max_turns, max_episode_tokens=budget, max_calls=s.tool_max_calls)
     return None
 
 
 def env_tools(settings: TaskSettings) -> list[dict] | None:
-    """The tools the chat template renders into every prompt (None: none)."""
-    return [PYTHON_TOOL] if settings.python_tool else None
+    """The tools the chat template renders into every prompt (None: none; a code interpreter's prompt says how)."""
+    return [PYTHON_TOOL] if settings.python_tool and settings.tool_call_format == "tool_call" else None
 
 
 def turn_stop_ids(settings: TaskSettings, tokenizer, model_stop_ids: list[int]) -> list[int]:
     """Every id that ends an assistant turn: the model's own (``model_stop_ids``) and, with the Python tool, a call's
     closing tag where the tokenizer holds it as one token (Qwen2.5 does): the model never writes the tool's answer."""
-    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False) if settings.python_tool else []
+    tags = settings.python_tool and settings.tool_call_format == "tool_call"
+    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False) if tags else []
     return sorted({*model_stop_ids, *(ids if len(ids) == 1 else [])})
 
 
