@@ -69,6 +69,12 @@ class TaskSettings:
         return list(self.tools) == ["python"]
 
     @property
+    def tool_call_tags(self) -> bool:
+        """Whether the Python tool is called in ``<tool_call>`` tags (the template's tools block), not as a code
+        interpreter's ```python blocks."""
+        return self.python_tool and self.tool_call_format == "tool_call"
+
+    @property
     def episode_tokens(self) -> int:
         """The tokens after the prompt an episode may hold, the environment's included."""
         return self.max_episode_tokens or self.max_turns * self.max_new_tokens

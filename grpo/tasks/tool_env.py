@@ -162,21 +162,20 @@ def make_turn_env(settings: TaskSettings, tokenizer) -> TurnEnv | None:
                                           file_size_mb=s.tool_file_size_mb, processes=s.tool_processes,
                                           output_chars=s.tool_output_chars, workers=s.tool_workers))
         print(sandbox.describe(), flush=True)
-        env_class = PythonCodeBlockEnv if s.tool_call_format == "code_block" else PythonToolEnv
+        env_class = PythonToolEnv if s.tool_call_tags else PythonCodeBlockEnv
         return env_class(sandbox, max_turns=s.max_turns, max_episode_tokens=budget, max_calls=s.tool_max_calls)
     return None
 
 
 def env_tools(settings: TaskSettings) -> list[dict] | None:
     """The tools the chat template renders into every prompt (None: none; a code interpreter's prompt says how)."""
-    return [PYTHON_TOOL] if settings.python_tool and settings.tool_call_format == "tool_call" else None
+    return [PYTHON_TOOL] if settings.tool_call_tags else None
 
 
 def turn_stop_ids(settings: TaskSettings, tokenizer, model_stop_ids: list[int]) -> list[int]:
     """Every id that ends an assistant turn: the model's own (``model_stop_ids``) and, with the Python tool, a call's
     closing tag where the tokenizer holds it as one token (Qwen2.5 does): the model never writes the tool's answer."""
-    tags = settings.python_tool and settings.tool_call_format == "tool_call"
-    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False) if tags else []
+    ids = tokenizer.encode(CALL_CLOSE, add_special_tokens=False) if settings.tool_call_tags else []
     return sorted({*model_stop_ids, *(ids if len(ids) == 1 else [])})
 
 
