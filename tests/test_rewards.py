@@ -1,6 +1,7 @@
 import random
 
 import pytest
+import torch
 
 from grpo.tasks.rewards import (_NUMBER, _numbers_text, is_well_formatted, last_number, numbers_match, parse_number,
                                 reference_answer)
@@ -271,3 +272,41 @@ def test_last_number_read_from_the_end_is_the_last_match_over_the_whole_reply():
     for text in texts:
         every = _NUMBER.findall(_numbers_text(text))
         assert last_number(text) == (every[-1].strip() if every else None), text
+
+
+@pytest.mark.parametrize("mode", ["flexible", "strict", "tag"])
+def test_batched_step_writes_what_torchrl_s_step_writes(tiny_tok, mode):
+    """GSM8KReward scores a batch as columns; TorchRL's GSM8KRewardParser._step (a TensorDict a reply, stacked) must
+    give the same keys, dtypes, shapes, values and done flags, on episodes of one and of several turns."""
+    from tensordict import TensorDict, lazy_stack
+    from torchrl.data.llm import History
+    from torchrl.envs.llm import GSM8KRewardParser
+
+    from grpo.tasks.rewards import GSM8KReward
+
+    replies = [reply for reply, _, _ in SCORING_CASES] + [reply for reply, _ in FINAL_ANSWER_CASES]
+    refs = [TINY_REF if i % 2 else "#### 8" for i in range(len(replies))]
+
+    def episode(i, reply):  # every third one: a tool's answer, then the reply as a second turn
+        turns = [("user", "Q?"), ("assistant", reply)]
+        if i % 3 == 0:
+            turns = [("user", "Q?"), ("assistant", "```python\nprint(3 + 5)\n```"), ("tool", "8"), ("assistant", reply)]
+        return lazy_stack([History(role=role, content=text) for role, text in turns])
+
+    def step(step_fn):
+        reward = GSM8KReward(tiny_tok, answer_extraction=mode, format_reward=0.1)
+        reward.in_keys = [("history", "full"), "answer"]
+        td = TensorDict({("history", "full"): lazy_stack([episode(i, r) for i, r in enumerate(replies)])},
+                        batch_size=(len(replies),))
+        nxt = TensorDict(answer=list(refs), done=torch.zeros(len(replies), 1, dtype=torch.bool),
+                         batch_size=(len(replies),))
+        return step_fn(reward, td, nxt)
+
+    ours, torchrl_s = step(GSM8KReward._step), step(GSM8KRewardParser._step)
+    keys = ("reward", "success", "reward_answer", "reward_think", "reward_right", "correct_strict",
+            "correct_flexible", "marked_answer", "done")
+    for key in keys:
+        assert ours[key].dtype == torchrl_s[key].dtype, key
+        assert ours[key].shape == torchrl_s[key].shape, key
+        assert torch.equal(ours[key], torchrl_s[key]), key
+    assert ours["reward"].shape == (len(replies), 1, 1) and ours["done"].any() and not ours["done"].all()

@@ -193,7 +193,38 @@ class GSM8KReward(GSM8KRewardParser):
         cot, _ = GSM8KRewardParser.extract_tags(self._last_text)
         return cot, self._last_text  # the answer is read in _single_correctness_reward, every way
 
+    def _step(self, tensordict, next_tensordict):
+        """TorchRL's step, its scores built as one tensor a key: the parent builds a TensorDict a reply and stacks
+        them, ~40 ms of each 256-reply batch on CPU (0.16 s of the 0.5B default step's host time with the reading:
+        py-spy, H200). The same keys, values and ``[B, 1, 1]`` shapes; other input modes and shapes: the parent."""
+        if next_tensordict.batch_dims != 1 or self.input_mode != "history":
+            return super()._step(tensordict, next_tensordict)
+        self._maybe_get_in_keys()
+        contents = tensordict.get(self.in_keys[0]).content  # each row's messages' texts
+        replies = [messages[-1] for messages in (contents.tolist() if hasattr(contents, "tolist") else contents)]
+        rows = []
+        for reply, answer in zip(replies, next_tensordict[self.in_keys[1]], strict=True):
+            if self.eos_token is not None:
+                reply = reply.removesuffix(self.eos_token)
+            cot, text = self.extract_tags(reply.removesuffix("<|im_end|>"))
+            rows.append(self.score(reference_answer(answer), text, cot))
+        scores = {key: torch.tensor([row[key] for row in rows]).view(-1, 1, 1) for key in rows[0]} if rows else {}
+        for key, value in scores.items():
+            before = next_tensordict.get(key, None)  # another transform's, added to, as the parent does
+            next_tensordict.set(key, value if before is None else value + before)
+        answered = scores.get("reward_answer")
+        if self.set_done_if_answer and answered is not None and bool((answered > 0).any()):
+            for key in ("done", "terminated"):
+                flag = next_tensordict.get(key, None)
+                if flag is not None:
+                    next_tensordict.set(key, (answered > 0).view_as(flag) | flag)
+        return next_tensordict
+
     def _single_correctness_reward(self, true_answer: str, text: str, cot: str) -> TensorDict:
+        return TensorDict(**self.score(true_answer, text, cot))
+
+    def score(self, true_answer: str, text: str, cot: str) -> dict:
+        """One reply's scores (``extract_tags`` just read it): the reward and what eval reports beside it."""
         plain = self._special_re.sub(" ", text)
         strict = marked_answer(plain)
         flexible = strict if strict is not None else last_number(plain)
@@ -205,11 +236,11 @@ class GSM8KReward(GSM8KRewardParser):
             has_answer = predicted is not None
         correct = has_answer and numbers_match(predicted, true_answer)
         formatted = is_well_formatted(self._last_text or "")
-        return TensorDict(
+        return dict(
             reward_answer=float(has_answer),
             reward_think=float(bool(cot)),
             reward_right=float(correct),
-            reward=self.correct_reward * correct + self.format_reward * formatted,
+            reward=float(self.correct_reward * correct + self.format_reward * formatted),
             success=correct,
             correct_strict=strict is not None and numbers_match(strict, true_answer),
             correct_flexible=flexible is not None and numbers_match(flexible, true_answer),
