@@ -11,7 +11,8 @@
 #   q05_lengths    real Qwen2.5-Coder-0.5B-Instruct (grpo_qwen05b, QWEN05: its folder), one generation batch a step,
 #                  6 steps each with replies capped at 512 and at 128 tokens: the step and its train part against
 #                  the real token count (issue 32)
-#   q05_draws      the same model and recipe as is (dynamic sampling), 8 steps each with draws of 128 and of 256
+#   q05_draws      the same model and recipe as is (dynamic sampling), 12 steps each with draws of 256 (the default:
+#                  a second draw most steps, docs/step.md) and of 512 (one draw: the decode batch-insensitive at 0.5B?)
 #   q05_packing    the same model, one generation batch a step, 8 steps each: packed rows (the default) and padded
 #                  ones (train.packed_sequences=false) with replies capped at 512, packed rows capped at 128
 #   packing_1p5b   default_1p5b with 6 steps, packed rows and padded ones
@@ -72,8 +73,8 @@ for part in "$@"; do
       run packed_1p5b 470 "${default_1p5b[@]}" train.total_steps=6
       run padded_1p5b 470 "${default_1p5b[@]}" train.total_steps=6 train.packed_sequences=false ;;
     q05_draws)
-      run q05_draw128 300 "${q05[@]}" train.total_steps=8
-      run q05_draw256 300 "${q05[@]}" train.total_steps=8 env.num_envs=256 ;;
+      run q05_draw256 300 "${q05[@]}" train.total_steps=12
+      run q05_draw512 300 "${q05[@]}" train.total_steps=12 env.num_envs=512 ;;
     q05_compact)
       run q05_whole_batch 300 "${q05[@]}" train.total_steps=8 train.dynamic_sampling=false inference_model.compact_rows=false
       run q05_compacted 300 "${q05[@]}" train.total_steps=8 train.dynamic_sampling=false inference_model.compact_rows=true
