@@ -177,7 +177,6 @@ class GSM8KReward(GSM8KRewardParser):
         self.answer_extraction = answer_extraction
         self._specials = special_tokens(tokenizer)
         self._special_re = special_token_pattern(tokenizer)
-        self._last_text: str | None = None
 
     def transform_reward_spec(self, reward_spec):
         reward_spec = super().transform_reward_spec(reward_spec)
@@ -187,11 +186,10 @@ class GSM8KReward(GSM8KRewardParser):
         return reward_spec
 
     def extract_tags(self, text: str):
-        # The parent's _step calls this once per response, right before
-        # _single_correctness_reward, which needs the whole text for the format check.
-        self._last_text = strip_trailing_special_tokens(text, self._specials)
-        cot, _ = GSM8KRewardParser.extract_tags(self._last_text)
-        return cot, self._last_text  # the answer is read in _single_correctness_reward, every way
+        # both steps hand what this returns second to the scoring as its text: the whole reply, trailing special
+        # tokens stripped, where the answer is read every way and the format checked
+        text = strip_trailing_special_tokens(text, self._specials)
+        return GSM8KRewardParser.extract_tags(text)[0], text
 
     def _step(self, tensordict, next_tensordict):
         """TorchRL's step, its scores built as one tensor a key: the parent builds a TensorDict a reply and stacks
@@ -204,9 +202,7 @@ class GSM8KReward(GSM8KRewardParser):
         replies = [messages[-1] for messages in (contents.tolist() if hasattr(contents, "tolist") else contents)]
         rows = []
         for reply, answer in zip(replies, next_tensordict[self.in_keys[1]], strict=True):
-            if self.eos_token is not None:
-                reply = reply.removesuffix(self.eos_token)
-            cot, text = self.extract_tags(reply.removesuffix("<|im_end|>"))
+            cot, text = self.extract_tags(reply)  # strips eos and <|im_end|>, as the parent does before it, and more
             rows.append(self.score(reference_answer(answer), text, cot))
         scores = {key: torch.tensor([row[key] for row in rows]).view(-1, 1, 1) for key in rows[0]} if rows else {}
         for key, value in scores.items():
@@ -235,7 +231,7 @@ class GSM8KReward(GSM8KRewardParser):
             predicted = strict if self.answer_extraction == "strict" else flexible
             has_answer = predicted is not None
         correct = has_answer and numbers_match(predicted, true_answer)
-        formatted = is_well_formatted(self._last_text or "")
+        formatted = is_well_formatted(text)
         return dict(
             reward_answer=float(has_answer),
             reward_think=float(bool(cot)),
