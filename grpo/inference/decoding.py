@@ -33,7 +33,7 @@ import torch
 from transformers import StaticCache
 
 from grpo.inference.fused_projections import FusedWhileSampling, fuse_projections
-from grpo.inference.kv_cache import cache_argument, copy_cache_rows, slot_cache
+from grpo.inference.kv_cache import SlotLayer, cache_argument, copy_cache_rows, slot_cache
 from grpo.inference.prefill import PREFILL_BUCKET, Prefill
 from grpo.inference.sampling import sample_tokens
 from grpo.training.attention import use_project_attention
@@ -201,6 +201,11 @@ class ReplySampler(torch.nn.Module):
         self._caches: dict[int, tuple[int, StaticCache]] = {}
         self._steps: dict[tuple, tuple[DecodeBuffers, callable]] = {}
 
+    def slot_layers_only(self) -> bool:
+        """Whether every layer's cache slot is a position (no sliding-window layer): what a turn joining a decode
+        batch at its shared slot needs (``grpo.inference.turn_streaming``)."""
+        return all(type(layer) is SlotLayer for layer in slot_cache(self.model.config, 1, self.model.device).layers)
+
     def kv_cache(self, batch: int, length: int) -> tuple[int, StaticCache]:
         needed = (graphed_slots(length, self.cache_bucket) if self.graphed
                   else -(-length // self.cache_bucket) * self.cache_bucket)
@@ -253,25 +258,18 @@ class ReplySampler(torch.nn.Module):
 
         return replay
 
-    @torch.no_grad()
-    def generate(self, *args, **kwargs):
-        with self.fusion.swapped_in() if self.fusion else contextlib.nullcontext():
-            return self.sample(*args, **kwargs)
+    def sampling(self, *, do_sample: bool, temperature: float, top_p: float, top_k: int) -> dict:
+        """The sampler's options (``grpo.inference.sampling.sample_tokens``) for these ``generate`` options."""
+        return dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p, kernel=self.sampler_kernel)
 
-    def sample(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
-               do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, **torchrl_options):
-        unknown = set(torchrl_options) - TORCHRL_GENERATE_OPTIONS
-        if unknown or torchrl_options.get("num_return_sequences", 1) != 1:
-            raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
-        start = time.perf_counter()
-        home, device = input_ids.device, self.model.device  # replies go back where the prompts came from
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, steps: int, stop_ids: list[int],
+              pad_token_id: int, sampling: dict) -> tuple[DecodeBuffers, StaticCache, callable]:
+        """Left-padded prompts (on the model's device) prefilled and each one's first token sampled: the buffers of
+        a decode of up to ``steps`` tokens a row, its cache and its step."""
+        attention_mask = attention_mask.to(input_ids.device)
         batch, prompt_len = input_ids.shape
-        sampling = dict(greedy=not do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                        kernel=self.sampler_kernel)
-        slots, cache = self.kv_cache(batch, prompt_len + max_new_tokens)
-        buf, step = self.decode_step_for(batch, slots, cache, max_new_tokens, list(eos_token_id), pad_token_id,
-                                         sampling)
+        slots, cache = self.kv_cache(batch, prompt_len + steps)
+        buf, step = self.decode_step_for(batch, slots, cache, steps, stop_ids, pad_token_id, sampling)
         buf.mask.zero_()
         buf.mask[:, :prompt_len] = attention_mask
         # the filled slots are read as one span a reply, from its first prompt token on
@@ -290,10 +288,28 @@ class ReplySampler(torch.nn.Module):
         record(buf, *sample_tokens(logits, **sampling), pad_token_id)
         buf.position.copy_(positions[:, -1:] + 1)
         buf.slot.fill_(prompt_len)
+        return buf, cache, step
+
+    @torch.no_grad()
+    def generate(self, *args, **kwargs):
+        with self.fusion.swapped_in() if self.fusion else contextlib.nullcontext():
+            return self.sample(*args, **kwargs)
+
+    def sample(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,
+               do_sample: bool, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, **torchrl_options):
+        unknown = set(torchrl_options) - TORCHRL_GENERATE_OPTIONS
+        if unknown or torchrl_options.get("num_return_sequences", 1) != 1:
+            raise ValueError(f"ReplySampler.generate: unsupported options {sorted(unknown) or torchrl_options}")
+        start = time.perf_counter()
+        home, device = input_ids.device, self.model.device  # replies go back where the prompts came from
+        input_ids = input_ids.to(device)
+        sampling = self.sampling(do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k)
+        buf, cache, step = self.begin(input_ids, attention_mask, max_new_tokens, list(eos_token_id), pad_token_id,
+                                      sampling)
         # every reply's tokens and log-probs: a compacted batch's rows are written back here when they leave it
         tokens, log_probs = buf.tokens, buf.log_probs
         generated, rows = 1, None  # rows: each decode row's reply, once the batch has been compacted
-        self.batch_sizes = [batch]
+        self.batch_sizes = [len(buf.done)]
         while generated < max_new_tokens:
             if generated % STOP_CHECK_EVERY == 0:
                 active = int(buf.done.logical_not().sum())

@@ -10,6 +10,7 @@ import torch
 from grpo.inference.decoding import ReplySampler, graphed_rows
 from grpo.inference.episode_policy import EnginePolicies, EpisodePolicy, pad_prompts
 from grpo.inference.generation import EngineSettings, InferenceEngine, as_state_dict, generate_kwargs, weights_checksum
+from grpo.inference.turn_streaming import sample_continuously
 from grpo.process.world import is_sharded
 from grpo.training.models import load_causal_lm, torch_dtype
 
@@ -52,7 +53,8 @@ class TransformersInference(EnginePolicies):
                                               compact_rows=s.compact_rows, fuse_shared=s.fuse_shared)
         self.policy, self.greedy_policy, self.sampled_eval_policy = (
             make_transformers_policy(sampler, tokenizer, gen_kwargs=generate_kwargs(
-                s, tokenizer, greedy=greedy, max_new_tokens=cap, stop_ids=stop_ids, temperature=temperature))
+                s, tokenizer, greedy=greedy, max_new_tokens=cap, stop_ids=stop_ids, temperature=temperature),
+                continuous_turns=s.continuous_turns)
             for greedy, cap, temperature in ((False, s.max_new_tokens, s.temperature),
                                              (True, s.eval_max_new_tokens, None),
                                              (False, s.eval_max_new_tokens, s.eval_temperature)))
@@ -84,10 +86,13 @@ class TransformersInference(EnginePolicies):
         pass
 
 
-def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict) -> EpisodePolicy:
+def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: dict,
+                             continuous_turns: bool = True) -> EpisodePolicy:
     """The episode policy over ``sampler`` with ``generate_kwargs`` (sampled or greedy; the reply cap a turn). Its
     tensors stay on the CPU, where envs, rewards and buffers live: the sampler takes each turn's prompts to its GPU
-    and hands back the replies as CPU tensors."""
+    and hands back the replies as CPU tensors. ``continuous_turns``: an episode's next turn joins the decode batch as
+    soon as its answer is back (``grpo.inference.turn_streaming``; a model with sliding-window layers, whose cache
+    slots are not positions, samples by turns); else every episode's turn k, then their turn k+1."""
     pad = gen_kwargs["pad_token_id"]
 
     def sample(prompts: list[torch.Tensor], max_new_tokens: int, batch_rows: int):
@@ -101,7 +106,12 @@ def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: di
         kept = generated != pad  # a sampled pad ends a reply, as the rest of the rows' padding does
         return [(reply[keep], lp[keep]) for reply, lp, keep in zip(generated[:rows], out["log_probs"], kept)]
 
+    def sample_episodes(batch):
+        sample_continuously(sampler, batch, gen_kwargs)
+
+    continuous = continuous_turns and sampler.slot_layers_only()
     policy = EpisodePolicy(sample, tokenizer, max_new_tokens=gen_kwargs["max_new_tokens"],
-                           stop_ids=list(gen_kwargs["eos_token_id"]), pad_id=pad)
+                           stop_ids=list(gen_kwargs["eos_token_id"]), pad_id=pad,
+                           sample_episodes=sample_episodes if continuous else None)
     policy.generate_kwargs = gen_kwargs  # what it samples with, as transformers names the options
     return policy

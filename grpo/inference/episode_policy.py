@@ -2,9 +2,10 @@
 
 An episode is up to ``turn_env.max_turns`` assistant turns; between two turns the task's turn environment answers
 (``TurnEnv``: a tool's output, a simulated user). A single-turn task has no turn environment: its episode is one
-turn, through this same loop. Every episode of a batch advances together: each turn samples the active episodes'
-contexts in one engine call (``sample``), the turn environment answers all of them at once, and those that go on
-sample again.
+turn, through this same loop. The batch's episodes (``grpo.inference.episodes.EpisodeBatch``) are sampled by turns
+(``sample``: each turn samples the episodes still going in one engine call, the turn environment answers all of them
+at once, and those that go on sample again) or, where the engine can, continuously (``sample_episodes``: an episode's
+next turn joins the decode batch as soon as its answer is back, ``grpo.inference.turn_streaming``).
 
 Token in, token out: an episode's tokens are the prompt's, then each turn's sampled tokens exactly as the engine
 returned them (cut after the turn's first stop token, or a code interpreter's call: ``cut_at_call``), then the
@@ -31,7 +32,6 @@ Writes, as TorchRL's wrappers lay them out (and the envs, rewards, eval and ``gr
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 
 import torch
@@ -41,7 +41,8 @@ import grpo.process.torchrl_import  # noqa: F401 - first: TorchRL's LLM modules 
 from torchrl.data.llm import History
 from torchrl.modules.llm.policies.common import ChatHistory
 
-from grpo.tasks.tool_env import EPISODE_COUNTS, Episode, TurnEnv
+from grpo.inference.episodes import EpisodeBatch, EpisodeState, sample_by_turns
+from grpo.tasks.tool_env import EPISODE_COUNTS, TurnEnv
 
 
 class EnvTurnTokens:
@@ -76,20 +77,11 @@ class EnvTurnTokens:
         return torch.tensor(before + content + after, dtype=torch.long)
 
 
-def cut_at_stop(reply: torch.Tensor, log_probs: torch.Tensor, stop_ids: torch.Tensor):
-    """A turn up to and including its first stop token (whatever an engine appended after it dropped), and whether
-    it had one."""
-    stops = torch.isin(reply, stop_ids).nonzero()
-    if len(stops):
-        end = int(stops[0, 0]) + 1
-        return reply[:end], log_probs[:end], True
-    return reply, log_probs, False
-
-
 class EpisodePolicy(torch.nn.Module):
     """Samples one episode a prompt with ``sample`` (an engine's: prompts' token ids in, each reply's token ids and
     log-probs out, at most ``max_new_tokens`` a turn; ``batch_rows``: the episodes of the batch, of which a later
-    turn samples those still going), ``turn_env`` answering between turns (None: one turn).
+    turn samples those still going), ``turn_env`` answering between turns (None: one turn); or with
+    ``sample_episodes`` (an engine's: an ``EpisodeBatch`` in, every episode sampled to its end), where given.
     Takes a reset's tensordict (batch ``[B]``): its ``history.prompt`` and, where the env wrote them
     (``grpo.tasks.envs.GroupPromptTokens``), the prompts' tokens ``tokens.prompt`` (left-padded with ``pad_id``);
     without them the chat template renders the prompts. Writes the episodes into that tensordict and returns it.
@@ -102,9 +94,11 @@ class EpisodePolicy(torch.nn.Module):
     out_keys = ["history", "tokens", "log_probs", "text", "episode"]
 
     def __init__(self, sample: Callable[[list[torch.Tensor], int, int], list[tuple[torch.Tensor, torch.Tensor]]],
-                 tokenizer, *, max_new_tokens: int, stop_ids: list[int], pad_id: int, turn_env: TurnEnv | None = None):
+                 tokenizer, *, max_new_tokens: int, stop_ids: list[int], pad_id: int, turn_env: TurnEnv | None = None,
+                 sample_episodes: Callable[[EpisodeBatch], None] | None = None):
         super().__init__()
-        self.sample, self.tokenizer, self.max_new_tokens, self.pad_id = sample, tokenizer, max_new_tokens, pad_id
+        self.sample, self.sample_episodes = sample, sample_episodes
+        self.tokenizer, self.max_new_tokens, self.pad_id = tokenizer, max_new_tokens, pad_id
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long)
         self.turn_env, self.on_sampled = turn_env, None
         self.env_seconds = 0.0  # spent waiting on the turn environment (the engine idle meanwhile), so far
@@ -155,54 +149,15 @@ class EpisodePolicy(torch.nn.Module):
 
     def run_episodes(self, prompts: list[torch.Tensor], conversations: list[list[dict]],
                      rows: list[int]) -> list[EpisodeState]:
-        env = self.turn_env
-        max_turns = env.max_turns if env is not None else 1
-        budget = env.max_episode_tokens if env is not None else self.max_new_tokens
-        call_end = getattr(env, "call_end", None)  # a code interpreter's: where a turn's call ends (TurnEnv)
-        episodes = [EpisodeState(prompt) for prompt in prompts]
-        active = list(range(len(prompts)))
-        for turn in range(max_turns):
-            # always the whole reply cap, cut to each episode's room after: one cap, one set of compiled decode graphs
-            sampled = self.sample([episodes[i].context() for i in active], self.max_new_tokens, batch_rows=len(prompts))
-            answered = []
-            for i, (reply, log_probs) in zip(active, sampled):
-                episode = episodes[i]
-                reply, log_probs, stopped = cut_at_stop(reply, log_probs, self.stop_ids)
-                if call_end is not None:
-                    reply, log_probs, stopped = self.cut_at_call(reply, log_probs, stopped, call_end)
-                room = budget - episode.length
-                stopped = stopped and reply.numel() <= room
-                reply, log_probs = reply[:room], log_probs[:room]
-                episode.add_turn(reply, log_probs, self.message_text(reply, stopped), stopped)
-                if not stopped:  # cut by the reply cap or the budget: a turn cannot go on once cut
-                    episode.truncated = True
-                    continue
-                as_seen = Episode(conversations[i], episode.messages, rows[i])
-                if env is None or not env.answers(as_seen):
-                    continue  # the final answer
-                if turn == max_turns - 1:
-                    episode.truncated = True  # the environment would answer, but the turns are spent
-                    continue
-                answered.append((i, as_seen))
-            active = []
-            if not answered:
-                break
-            start = time.perf_counter()
-            env_turns = env.respond([seen for _, seen in answered])
-            self.env_seconds += time.perf_counter() - start
-            for (i, as_seen), env_turn in zip(answered, env_turns, strict=True):
-                episode = episodes[i]
-                for name, count in env_turn.counts.items():
-                    episode.counts[name] = episode.counts.get(name, 0) + int(count)
-                tokens = self.env_tokens(env_turn.message, episode.tokens_of_last_turn(), env_turn.inline)
-                if episode.length + tokens.numel() >= budget:  # no room left to answer in
-                    episode.truncated = True
-                    continue
-                episode.add_env_turn(env_turn.message, tokens)
-                active.append(i)
-            if not active:  # every answer left its episode no room to reply
-                break
-        return episodes
+        batch = EpisodeBatch(self, prompts, conversations, rows)
+        try:
+            if self.sample_episodes is not None and batch.max_turns > 1:  # one turn: nothing would join
+                self.sample_episodes(batch)
+            else:
+                sample_by_turns(self.sample, batch, self.max_new_tokens)
+        finally:
+            batch.close()
+        return batch.episodes
 
     def cut_at_call(self, reply: torch.Tensor, log_probs: torch.Tensor, stopped: bool, call_end):
         """A turn up to the end of its first call (``call_end`` of its text), where it holds one: what the engine
@@ -230,39 +185,6 @@ class EpisodePolicy(torch.nn.Module):
             return [torch.tensor(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         rows = tokens.unbind(0) if isinstance(tokens, torch.Tensor) else tokens
         return [row[row != self.pad_id] for row in rows]
-
-
-class EpisodeState:
-    """One episode while it is sampled: its pieces of tokens, log-probs and sampled marks, its messages, counts."""
-
-    def __init__(self, prompt: torch.Tensor):
-        self.prompt, self.pieces, self.log_probs, self.sampled = prompt, [], [], []
-        self.messages: list[dict] = []
-        self.length, self.turns, self.truncated, self.counts = 0, 0, False, {}
-
-    def context(self) -> torch.Tensor:
-        return torch.cat([self.prompt, *self.pieces])
-
-    def tokens(self) -> torch.Tensor:
-        return torch.cat(self.pieces) if self.pieces else torch.zeros(0, dtype=torch.long)
-
-    def tokens_of_last_turn(self) -> torch.Tensor:
-        return self.pieces[-1]
-
-    def add_turn(self, reply: torch.Tensor, log_probs: torch.Tensor, text: str, stopped: bool) -> None:
-        self.pieces.append(reply.long())
-        self.log_probs.append(log_probs.float())
-        self.sampled.append(torch.ones(reply.numel(), dtype=torch.bool))
-        self.messages.append({"role": "assistant", "content": text, "complete": stopped})
-        self.length += reply.numel()
-        self.turns += 1
-
-    def add_env_turn(self, message: dict, tokens: torch.Tensor) -> None:
-        self.pieces.append(tokens)
-        self.log_probs.append(torch.zeros(tokens.numel()))
-        self.sampled.append(torch.zeros(tokens.numel(), dtype=torch.bool))
-        self.messages.append({"role": message["role"], "content": message["content"], "complete": True})
-        self.length += tokens.numel()
 
 
 def prompt_messages(history) -> list[list[dict]]:

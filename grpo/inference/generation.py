@@ -27,6 +27,7 @@ class EngineSettings:
     cache_bucket: int             # transformers: KV-cache length rounded up to this
     compile_prefill: bool         # transformers: the prompts' forward compiled too (with ``compile``)
     compact_rows: bool            # transformers: rows whose reply ended leave the decode batch
+    continuous_turns: bool        # transformers: an episode's next turn joins the decode batch when its answer is back
     fuse_shared: bool             # transformers: a policy it shares samples through fused q/k/v and gate/up copies
     max_model_len: int            # vLLM: prompt + reply
     gpu_memory_utilization: float  # vLLM
@@ -42,7 +43,7 @@ class EngineSettings:
                    eval_max_new_tokens=cfg.eval.max_new_tokens, temperature=im.temperature,
                    eval_temperature=cfg.eval.temperature, top_p=im.top_p,
                    top_k=im.top_k, compile=im.compile, compile_prefill=im.compile_prefill, cache_bucket=im.cache_bucket,
-                   compact_rows=im.compact_rows, fuse_shared=im.fuse_shared,
+                   compact_rows=im.compact_rows, continuous_turns=im.continuous_turns, fuse_shared=im.fuse_shared,
                    max_model_len=im.max_model_len, gpu_memory_utilization=im.gpu_memory_utilization,
                    enforce_eager=im.enforce_eager,
                    cpu_kvcache_space_gb=im.cpu_kvcache_space_gb, vllm_log_level=im.vllm_log_level, seed=cfg.seed)

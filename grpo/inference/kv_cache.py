@@ -52,3 +52,12 @@ def copy_cache_rows(src: StaticCache, dst: StaticCache, rows: torch.Tensor, slot
         dst_layer.keys[:, :, :slots] = src_layer.keys[rows, :, first:first + slots]
         dst_layer.values[:, :, :slots] = src_layer.values[rows, :, first:first + slots]
         dst_layer.cumulative_length.copy_(src_layer.cumulative_length - first)  # where a layer not at ``slot`` writes
+
+
+def place_cache_rows(src: StaticCache, dst: StaticCache, rows: torch.Tensor, at: int) -> None:
+    """``src``'s first ``len(rows)`` rows, every slot, written to ``dst``'s rows ``rows`` from slot ``at`` on (a
+    later turn's context joining a decode batch, ``grpo.inference.turn_streaming``)."""
+    for src_layer, dst_layer in zip(src.layers, dst.layers, strict=True):
+        width = src_layer.keys.shape[2]
+        dst_layer.keys[rows, :, at:at + width] = src_layer.keys[:len(rows)]
+        dst_layer.values[rows, :, at:at + width] = src_layer.values[:len(rows)]

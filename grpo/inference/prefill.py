@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import StaticCache
 
-from grpo.inference.kv_cache import SlotLayer, copy_cache_rows, slot_cache
+from grpo.inference.kv_cache import SlotLayer, copy_cache_rows, place_cache_rows, slot_cache
 
 # positions a compiled prefill's width is rounded up to: GSM8K prompts (~100-300 tokens) fall into a few shapes
 PREFILL_BUCKET = 64
@@ -104,3 +104,22 @@ class Prefill:
                               padded(attention_mask.long()))
         copy_cache_rows(run_cache, cache, copy_of, width, first=extra)
         return logits[copy_of]
+
+    @torch.no_grad()
+    def into_rows(self, input_ids, positions, attention_mask, cache: StaticCache, rows: torch.Tensor, end: int) -> None:
+        """Left-padded contexts' keys and values written to ``cache``'s rows ``rows``, each context's last token at
+        slot ``end - 1``: episodes' next turns joining a batch that decodes at slot ``end``. Shapes are rounded as
+        ``__call__``'s, the filler rows' keys and values dropped."""
+        width, count = input_ids.shape[1], len(rows)
+        padded_width, prompts = width, count
+        if self.bucket > 1:
+            padded_width, prompts = min(-(-width // self.bucket) * self.bucket, end), 1 << (count - 1).bit_length()
+        picks = torch.cat([torch.arange(count), torch.zeros(prompts - count, dtype=torch.long)]).to(input_ids.device)
+
+        def padded(x):
+            return F.pad(x[picks], (padded_width - width, 0))
+
+        run_cache = self.run_cache(prompts, padded_width, cache)
+        self.forward(self.model, self.cache_name, run_cache, padded(input_ids), padded(positions),
+                     padded(attention_mask.long()))
+        place_cache_rows(run_cache, cache, rows, at=end - padded_width)

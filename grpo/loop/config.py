@@ -131,7 +131,7 @@ def validate_config(cfg) -> None:
     need(t.aggregation in ("token_mean", "prompt_mean"), f"train.aggregation={t.aggregation!r}; use token_mean or prompt_mean.")
     need(t.loss_variant in ("grpo", "dr_grpo", "gspo"), f"train.loss_variant={t.loss_variant!r}; use grpo, dr_grpo or gspo.")
     for key in ("train.dynamic_sampling", "train.overlong_filter", "train.packed_sequences", "inference_model.compact_rows",
-                "inference_model.compile_prefill", "ref_model.score_early"):
+                "inference_model.continuous_turns", "inference_model.compile_prefill", "ref_model.score_early"):
         need(isinstance(OmegaConf.select(cfg, key), bool), f"{key}={OmegaConf.select(cfg, key)!r} must be true or false.")
     need(type(t.max_extra_generation_batches) is int and t.max_extra_generation_batches >= 0,
          f"train.max_extra_generation_batches={t.max_extra_generation_batches!r} must be a whole number >= 0 (extra "

@@ -59,7 +59,9 @@ class TurnEnv(Protocol):
         """Its answers to the turns it answers, in order, all at once (a tool runs them concurrently)."""
 
     # Optional: ``call_end(text) -> int | None``, where a turn's text is cut, its call whole (a code interpreter's
-    # ```python block: ``PythonCodeBlockEnv``); without it a turn ends at a stop token only.
+    # ```python block: ``PythonCodeBlockEnv``); without it a turn ends at a stop token only. And
+    # ``respond_in_background = True``: ``respond`` may run in a thread of its own while the engine decodes, several
+    # calls at once (without it, each call runs in the engine's thread, between two of its decode steps).
 
 
 NO_OUTPUT = "[no output: print() what you want to see]"
@@ -67,6 +69,8 @@ NO_OUTPUT = "[no output: print() what you want to see]"
 
 class PythonToolEnv:
     """The Python tool between turns: up to ``max_calls`` calls an episode, run in ``sandbox``."""
+
+    respond_in_background = True  # the sandbox hands each call a uid of its own, at most ``workers`` at once
 
     def __init__(self, sandbox, *, max_turns: int, max_episode_tokens: int, max_calls: int):
         self.sandbox, self.max_turns, self.max_episode_tokens, self.max_calls = sandbox, max_turns, max_episode_tokens, max_calls
