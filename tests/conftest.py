@@ -86,6 +86,19 @@ def tiny_data_dir() -> Path:
     return TINY_DATA
 
 
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir, tiny_data_dir):
+    """grpo_tiny's config on the tiny model and data, its tokenizer, the model (float32, CPU, eval) and stop ids."""
+    from grpo.tasks.paths import resolve_local_paths
+    from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
+
+    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}"])
+    resolve_local_paths(cfg)
+    tok = load_tokenizer(cfg.model.name)
+    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
+    return cfg, tok, model, stop_token_ids(tok, model.generation_config)
+
+
 # The real model and GSM8K rows are not in git: scripts/fetch_real_assets.py fetches them (CI runs it
 # before the tests). Missing assets fail rather than skip, so a broken fetch cannot pass unnoticed.
 REAL_MODEL = Path(os.environ.get("GRPO_REAL_MODEL", REPO / "assets" / "smollm2-135m-instruct"))

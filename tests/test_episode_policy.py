@@ -7,29 +7,22 @@ from tensordict import TensorDict
 from torchrl.data.llm import History
 from torchrl.modules.llm.policies.common import ChatHistory
 
-from conftest import compose
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.episode_policy import EpisodePolicy
 from grpo.inference.episodes import cut_at_stop
 from grpo.inference.generation import EngineSettings, generate_kwargs
-from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.python_tool import output_block
 from grpo.tasks.sandbox import Sandbox, SandboxSettings
 from grpo.tasks.tool_env import EnvTurn, PythonCodeBlockEnv
-from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 from torchrl_wrapper import torchrl_history_policy
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir, tiny_data_dir):
-    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}"])
-    resolve_local_paths(cfg)
-    tok = load_tokenizer(cfg.model.name)
-    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
-    stop_ids = stop_token_ids(tok, model.generation_config)
+def tiny(tiny_lm):
+    cfg, tok, model, stop_ids = tiny_lm
     options = generate_kwargs(EngineSettings.from_config(cfg), tok, greedy=False, max_new_tokens=16, stop_ids=stop_ids)
     sampler = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=True)
     return cfg, tok, sampler, options

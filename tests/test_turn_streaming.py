@@ -8,25 +8,18 @@ import time
 import pytest
 import torch
 
-from conftest import compose
 from grpo.inference import turn_streaming
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.tasks.envs import make_env
-from grpo.tasks.paths import resolve_local_paths
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import EnvTurn
-from grpo.training.models import load_causal_lm, load_tokenizer, stop_token_ids
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model_dir, tiny_data_dir):
-    cfg = compose("grpo_tiny", [f"model.name={tiny_model_dir}", f"env.dataset={tiny_data_dir}"])
-    resolve_local_paths(cfg)
-    tok = load_tokenizer(cfg.model.name)
-    model = load_causal_lm(cfg.model.name, tok, dtype=torch.float32, device=torch.device("cpu")).eval()
-    stop_ids = stop_token_ids(tok, model.generation_config)
+def tiny(tiny_lm):
+    cfg, tok, model, stop_ids = tiny_lm
     env = make_env(TaskSettings.from_config(cfg), tok, split="train", repeats=4, num_envs=64, shuffle=False)
     return cfg, tok, model, stop_ids, env.reset()
 
