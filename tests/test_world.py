@@ -260,7 +260,11 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(world_runs, saved_by, r
     moved = max(float((went_on[n] - saved["model"][n]).abs().max()) for n in went_on)
     assert moved > 1e-4
     for name, weight in went_on.items():
-        torch.testing.assert_close(resumed[name], weight, atol=1e-5, rtol=1e-5, msg=name)
+        # a key bias gets float noise for a gradient (softmax ignores a shift of every key's score), which AdamW
+        # scales to steps of the learning rate's size, set by the ranks' summation order: 1.2e-5 apart with one
+        # thread a process (CI), 6e-4 moved by step 4
+        atol = 5e-5 if name.endswith("k_proj.bias") else 1e-5
+        torch.testing.assert_close(resumed[name], weight, atol=atol, rtol=1e-5, msg=name)
 
 
 def test_a_world_of_one_is_the_identity():
