@@ -3,6 +3,7 @@ back) are the episodes sampled by turns when greedy, score as the trainer scores
 on how fast the environment answers."""
 
 import random
+import threading
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
-from grpo.tasks.tool_env import EnvTurn
+from grpo.tasks.tool_env import EnvTurn, UserTurnEnv
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ class VaryingEnv:
                  call_at: str | None = None):
         self.max_turns, self.max_episode_tokens, self.delay = max_turns, max_episode_tokens, delay
         self.respond_in_background = background
-        self.calls = 0
+        self.calls, self.threads = 0, set()
         if call_at is not None:
             self.call_end = lambda text: text.index(call_at) + len(call_at) if call_at in text else None
 
@@ -42,6 +43,7 @@ class VaryingEnv:
 
     def respond(self, episodes):
         self.calls += 1
+        self.threads.add(threading.current_thread().name)
         time.sleep(random.uniform(0, self.delay))
         return [EnvTurn({"role": "user", "content": "go on " * (1 + len(e.messages[-1]["content"]) % 4)},
                         {"tool_calls": 1}) for e in episodes]
@@ -140,3 +142,13 @@ def test_a_turn_that_no_longer_fits_in_the_decode_batch_samples_in_the_next(tiny
     by_turns, _ = sample(tiny, VaryingEnv(3, 120, background=False), continuous=False, greedy=True, compact_rows=False)
     same_episodes(by_turns, continuous)
     assert len(batches) >= 2 and batches[0] == 64
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_user_s_environment_answers_in_the_background_only_when_it_says_it_may(tiny, background):
+    """``respond_in_background = True`` on a user's class (``env.turn_env``) lets its calls run in a thread of their
+    own; without it they run in the engine's thread, one at a time."""
+    user_env = VaryingEnv(4, 150, background=background)
+    sample(tiny, UserTurnEnv(user_env, "test_turn_streaming.py:VaryingEnv"), continuous=True, greedy=True,
+           compact_rows=False)
+    assert user_env.calls and (user_env.threads == {threading.main_thread().name}) != background

@@ -133,6 +133,7 @@ class UserTurnEnv:
 
     def __init__(self, env, spec: str):
         self.env, self.spec = env, spec
+        self.respond_in_background = getattr(env, "respond_in_background", False) is True  # optional (TurnEnv)
         if hasattr(env, "call_end"):  # optional (TurnEnv): where a turn is cut, its call whole
             self.call_end = lambda text: call_user(f"env.turn_env={spec!r}: its call_end()", env.call_end, text)
 
