@@ -290,9 +290,18 @@ class ReplySampler(torch.nn.Module):
         buf.slot.fill_(prompt_len)
         return buf, cache, step
 
+    def fused(self):
+        """The context sampling runs in: a policy that trains samples through its fused copies (``fuse_shared``)."""
+        return self.fusion.swapped_in() if self.fusion else contextlib.nullcontext()
+
+    def decode_rows(self, rows: int, batch_rows: int) -> int:
+        """The decode batch ``rows`` episodes of a batch of ``batch_rows`` run in: under CUDA graphs rounded up as
+        ``graphed_rows`` (each batch size is one more compiled decode graph), never past the batch's own size."""
+        return min(graphed_rows(rows), batch_rows) if self.graphed and rows < batch_rows else rows
+
     @torch.no_grad()
     def generate(self, *args, **kwargs):
-        with self.fusion.swapped_in() if self.fusion else contextlib.nullcontext():
+        with self.fused():
             return self.sample(*args, **kwargs)
 
     def sample(self, input_ids, attention_mask, *, max_new_tokens: int, eos_token_id: list[int], pad_token_id: int,

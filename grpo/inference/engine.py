@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from grpo.inference.decoding import ReplySampler, graphed_rows
+from grpo.inference.decoding import ReplySampler
 from grpo.inference.episode_policy import EnginePolicies, EpisodePolicy, pad_prompts
 from grpo.inference.generation import EngineSettings, InferenceEngine, as_state_dict, generate_kwargs, weights_checksum
 from grpo.inference.turn_streaming import sample_continuously
@@ -98,8 +98,7 @@ def make_transformers_policy(sampler: ReplySampler, tokenizer, *, gen_kwargs: di
     def sample(prompts: list[torch.Tensor], max_new_tokens: int, batch_rows: int):
         """``prompts``: the episodes of a batch of ``batch_rows`` still going (all of them on the first turn)."""
         rows = len(prompts)
-        if sampler.graphed and rows < batch_rows:  # each batch size is one more compiled decode graph
-            prompts = prompts + [prompts[-1]] * (min(graphed_rows(rows), batch_rows) - rows)
+        prompts = prompts + [prompts[-1]] * (sampler.decode_rows(rows, batch_rows) - rows)
         input_ids, attention_mask = pad_prompts(prompts, pad)
         out = sampler.generate(input_ids, attention_mask, **{**gen_kwargs, "max_new_tokens": max_new_tokens})
         generated = out["sequences"][:, input_ids.shape[1]:]

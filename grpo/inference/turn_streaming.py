@@ -22,12 +22,11 @@ plain decode loop (``ReplySampler.sample``).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
-from grpo.inference.decoding import STOP_CHECK_EVERY, ReplySampler, compacted_size, graphed_rows
+from grpo.inference.decoding import STOP_CHECK_EVERY, ReplySampler, compacted_size
 from grpo.inference.episode_policy import pad_prompts
 from grpo.inference.episodes import EpisodeBatch
 
@@ -51,7 +50,7 @@ def sample_continuously(sampler: ReplySampler, batch: EpisodeBatch, options: dic
     """Every episode of ``batch`` sampled to its end with ``options`` (``generate_kwargs``), in as few decode batches
     as fit."""
     start, env_before = time.perf_counter(), batch.policy.env_seconds
-    with sampler.fusion.swapped_in() if sampler.fusion else contextlib.nullcontext(), torch.no_grad():
+    with sampler.fused(), torch.no_grad():
         going = list(range(len(batch)))
         while going:
             going = decode_batch(sampler, batch, going, options)
@@ -86,8 +85,8 @@ def decode_batch(sampler: ReplySampler, batch: EpisodeBatch, going: list[int], o
     sampling = sampler.sampling(do_sample=options["do_sample"], temperature=options.get("temperature", 1.0),
                                 top_p=options.get("top_p", 1.0), top_k=options.get("top_k", 0))
     contexts = [batch.context(i) for i in going]
-    size = min(graphed_rows(len(going)), len(batch)) if sampler.graphed else len(going)
-    contexts += [contexts[-1]] * (size - len(going))  # each batch size is one more compiled decode graph
+    size = sampler.decode_rows(len(going), len(batch))
+    contexts += [contexts[-1]] * (size - len(going))
     input_ids, attention_mask = pad_prompts(contexts, pad)
     # slots left free before the prompts: a later turn's context, the environment's tokens in it, fits behind the
     # batch's slot when it joins (the tiny tool task's answers outgrew it: every second turn waited for a batch of its own)
@@ -167,19 +166,19 @@ def join(sampler: ReplySampler, batch: EpisodeBatch, rows: Rows, buf, cache, rea
     that wait for a free row or for the batch's slot to pass their context's length, and those whose turn no longer
     fits in the batch's ``steps``."""
     free = [r for r, i in enumerate(rows.episode) if i is None]
-    joined, waiting, late = [], [], []
+    joined, contexts, waiting, late = [], [], [], []
     for i in ready:
-        length = batch.context(i).numel()
+        context = batch.context(i)
         if generated + batch.room(i) > steps:
             late.append(i)
-        elif not free or length - 1 > slot:
+        elif not free or context.numel() - 1 > slot:
             waiting.append(i)
         else:
             joined.append((free.pop(0), i))
+            contexts.append(context)
     if not joined:
         return [], waiting, late
     device = buf.done.device
-    contexts = [batch.context(i) for _, i in joined]
     input_ids, attention_mask = pad_prompts([c[:-1] for c in contexts], pad)
     positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
     index = torch.tensor([r for r, _ in joined], device=device)
