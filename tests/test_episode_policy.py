@@ -182,6 +182,29 @@ def test_a_turn_ends_at_its_first_stop_token():
     assert reply.tolist() == [8, 9, 10] and not stopped
 
 
+def test_a_code_interpreter_s_turn_is_cut_at_the_shortest_prefix_holding_its_call_wherever_the_call_ends(tiny):
+    """The cut is the shortest prefix whose text holds the whole block, found with few decodes when the call ends
+    near the turn's end (where an engine stops it) and still exact when it ends anywhere else."""
+    _, tok, _, _ = tiny
+    env = PythonCodeBlockEnv(None, max_turns=2, max_episode_tokens=300, max_calls=1)
+    policy = EpisodePolicy(lambda *a, **k: None, tok, max_new_tokens=64, stop_ids=[0], pad_id=tok.pad_token_id)
+    decodes = []
+    counting = lambda text: decodes.append(text) or env.call_end(text)  # noqa: E731
+    block = "Compute it.\n```python\nprint(6 * 7)\n```"
+    for after in ["", " It", " It prints 41, so", " It prints 41. " + "Then more words follow here. " * 12]:
+        tokens = torch.tensor(tok.encode(block + after, add_special_tokens=False))
+        log_probs = -torch.arange(1, len(tokens) + 1, dtype=torch.float)
+        shortest = next(k for k in range(1, len(tokens) + 1)
+                        if env.call_end(tok.decode(tokens[:k], skip_special_tokens=False)) is not None)
+        decodes.clear()
+        reply, lps, stopped = policy.cut_at_call(tokens, log_probs, False, counting)
+        assert stopped and torch.equal(reply, tokens[:shortest]) and torch.equal(lps, log_probs[:shortest])
+        if len(tokens) - shortest < 8:  # near the end: a gallop step and a halving of 8
+            assert len(decodes) <= 5, (after, len(decodes))
+    unchanged = torch.tensor(tok.encode("No code here.", add_special_tokens=False))
+    assert policy.cut_at_call(unchanged, torch.zeros(len(unchanged)), True, env.call_end)[0] is unchanged
+
+
 def test_a_code_interpreter_s_turn_ends_at_its_block_s_fence_and_the_output_continues_the_same_reply(tiny):
     """What the engine sampled after a ```python block's closing fence was written without the code's output: the
     turn is cut there (its tokens and log-probs a prefix of the sampled ones), the output block follows as text

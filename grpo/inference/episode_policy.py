@@ -162,15 +162,23 @@ class EpisodePolicy(torch.nn.Module):
     def cut_at_call(self, reply: torch.Tensor, log_probs: torch.Tensor, stopped: bool, call_end):
         """A turn up to the end of its first call (``call_end`` of its text), where it holds one: what the engine
         sampled after it was written without the call's answer, and is dropped as if the engine had stopped there.
-        The cut is the shortest prefix whose text holds the whole call (a binary search of decodes: no char-to-token
-        map, which multi-byte tokens would break)."""
+        The cut is the shortest prefix whose text holds the whole call (a search of decodes: no char-to-token map,
+        which multi-byte tokens would break). An engine stops a turn within a few tokens of its call's end (ours reads
+        the text every ``STOP_CHECK_EVERY`` tokens), so the search gallops back from the end, then halves: about 5
+        decodes a turn, not log2 of its length (9 at 300 tokens; these cuts were 0.3 s of a 9.3 s step of the real
+        0.5B as a code interpreter, py-spy, one H200)."""
         decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
-        if call_end(decode(reply)) is None:
+        holds_call = lambda length: call_end(decode(reply[:length])) is not None  # noqa: E731
+        high = reply.numel()
+        if not holds_call(high):
             return reply, log_probs, stopped
-        low, high = 1, reply.numel()
+        back = 8
+        while high - back >= 1 and holds_call(high - back):
+            high, back = high - back, back * 2
+        low = max(high - back + 1, 1)  # holds_call(low - 1) is False, or low is 1
         while low < high:
             mid = (low + high) // 2
-            low, high = (mid + 1, high) if call_end(decode(reply[:mid])) is None else (low, mid)
+            low, high = (low, mid) if holds_call(mid) else (mid + 1, high)
         return reply[:low], log_probs[:low], True
 
     def message_text(self, reply: torch.Tensor, stopped: bool) -> str:
