@@ -11,7 +11,8 @@ Per batch and way it prints the wall seconds, the engine's (``generate_s``), the
 turns and tool calls an episode, sampled tokens and their rate, decode steps, and where the continuous way spends
 its checks: the host's seconds ending turns (``end_turns``) and joining turns to the batch (``join``: the prefill of
 their contexts), each timed with the GPU drained first. ``--join-every`` lists values of
-``turn_streaming.JOIN_EVERY_CHECKS`` to compare, each one more way.
+``turn_streaming.JOIN_EVERY_CHECKS`` to compare, each one more way; ``--whole-joins`` adds each of them with every
+joining turn's whole context prefilled in a free row (as before the rows were kept for their episodes' next turns).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tools.compose import compose_config  # noqa: E402
 from grpo.inference import turn_streaming  # noqa: E402
 from grpo.inference.decoding import ReplySampler  # noqa: E402
 from grpo.inference.engine import TransformersInference  # noqa: E402
+from grpo.inference.episodes import EpisodeBatch  # noqa: E402
 from grpo.inference.generation import EngineSettings  # noqa: E402
 from grpo.tasks.envs import make_env  # noqa: E402
 from grpo.tasks.paths import resolve_local_paths  # noqa: E402
@@ -47,6 +49,7 @@ def parse_args(argv=None):
     p.add_argument("--episodes", type=int, default=256, help="episodes a batch (env.num_envs)")
     p.add_argument("--batches", type=int, default=3, help="timed batches a way, after one warm-up batch")
     p.add_argument("--join-every", default="1,4", help="comma list of JOIN_EVERY_CHECKS values, one way each")
+    p.add_argument("--whole-joins", action="store_true", help="also each continuous way with whole-context joins")
     p.add_argument("--device", default="cpu")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides (after --)")
     return p.parse_args(argv)
@@ -120,14 +123,18 @@ def main(argv=None) -> None:
     timers.wrap(turn_streaming, "end_turns")
     timers.wrap(turn_streaming, "decode_batch")
     timers.count_steps()
-    ways = ["by_turns"] + [f"continuous_join{j}" for j in args.join_every.split(",")]
+    ways = ["by_turns"] + [f"continuous_join{j}{whole}" for j in args.join_every.split(",")
+                           for whole in ("", "_whole")[:1 + args.whole_joins]]
+    end_turn = EpisodeBatch.end_turn
     results = {way: [] for way in ways}
     for batch in range(args.batches + 1):
         reset = env.reset()
         for way in ways if batch % 2 == 0 else reversed(ways):
             policy.sample_episodes = None if way == "by_turns" else continuous
             if way != "by_turns":
-                turn_streaming.JOIN_EVERY_CHECKS = int(way.removeprefix("continuous_join"))
+                turn_streaming.JOIN_EVERY_CHECKS = int(way.removeprefix("continuous_join").removesuffix("_whole"))
+            # no row held for an episode's next turn: it joins in a free row, its whole context prefilled
+            EpisodeBatch.end_turn = (lambda *a: end_turn(*a) and False) if way.endswith("_whole") else end_turn
             torch.manual_seed(batch)
             timers.take()
             engine_s, env_s, start = engine.generate_s, policy.env_seconds, time.perf_counter()

@@ -86,3 +86,42 @@ def test_on_a_gpu_the_compiled_prefill_writes_the_eager_ones_logits_and_cache(ti
         for eager_layer, compiled_layer in zip(eager_keys, compiled_keys):
             torch.testing.assert_close(compiled_layer[real], eager_layer[real],
                                        atol=1e-4 * eager_layer[real].abs().max(), rtol=0)
+
+
+@pytest.mark.parametrize("added", [None, 1, 0])
+def test_contexts_extended_in_their_own_rows_hold_the_keys_and_values_of_a_whole_prefill(tiny, added):
+    """Rows that hold the first tokens of their contexts (from any slot) and get the rest appended (all of it, one
+    token, none): each context's keys and values, moved to end at the given slot, are those of prefilling the whole
+    context there, while only the added tokens run through the model and the other rows keep theirs."""
+    tok, model = tiny
+    cache_name = ReplySampler(model, compile=False, cache_bucket=64, compact_rows=False).cache_name
+    prefill = Prefill(model, cache_name, bucket=1, compile=False)
+    ids, mask = prompts(tok, [q + " Then go on." * 3 for q in QUESTIONS])
+    held, rows, end = [9, 30, 14, 21], [5, 0, 3, 6], 200
+    contexts = [row[row != tok.pad_token_id] for row in ids]
+    contexts = [c if added is None else c[:h + added] for c, h in zip(contexts, held)]
+
+    def written(contexts, at):
+        """Each context prefilled whole into its row, ending at ``at``."""
+        cache = allocated_cache(model, 8, 256)
+        padded = torch.nn.utils.rnn.pad_sequence(contexts, batch_first=True, padding_side="left")
+        real = torch.nn.utils.rnn.pad_sequence([torch.ones_like(c) for c in contexts], batch_first=True,
+                                               padding_side="left")
+        prefill.into_rows(padded, (real.cumsum(-1) - 1).clamp_min(0), real, cache, torch.tensor(rows), end=at)
+        return cache
+
+    whole = written(contexts, end)
+    extended = written([c[:h] for c, h in zip(contexts, held)], 120)  # the held tokens, elsewhere in the same rows
+    before = [layer.keys[[1, 2, 4, 7]].clone() for layer in extended.layers]
+    shapes = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: shapes.append(args[0].shape))
+    prefill.extend_rows(extended, rows, [120 - h for h in held], held, [c[h:] for c, h in zip(contexts, held)], end)
+    hook.remove()
+    assert shapes == ([(4, max(len(c) - h for c, h in zip(contexts, held)))] if added != 0 else [])
+    for whole_layer, layer, kept in zip(whole.layers, extended.layers, before, strict=True):
+        for row, context in zip(rows, contexts):
+            span = slice(end - len(context), end)
+            torch.testing.assert_close(layer.keys[row, :, span], whole_layer.keys[row, :, span], atol=1e-5, rtol=0)
+            torch.testing.assert_close(layer.values[row, :, span], whole_layer.values[row, :, span], atol=1e-5,
+                                       rtol=0)
+        assert torch.equal(layer.keys[[1, 2, 4, 7]], kept)

@@ -13,6 +13,7 @@ from grpo.inference import turn_streaming
 from grpo.inference.decoding import ReplySampler
 from grpo.inference.engine import make_transformers_policy
 from grpo.inference.generation import EngineSettings, generate_kwargs
+from grpo.inference.prefill import Prefill
 from grpo.tasks.envs import make_env
 from grpo.tasks.settings import TaskSettings
 from grpo.tasks.tool_env import EnvTurn, UserTurnEnv
@@ -98,10 +99,17 @@ def test_greedy_episodes_sampled_continuously_are_those_sampled_by_turns(tiny, c
 
 def test_sampled_episodes_score_as_the_trainer_scores_them_and_the_environment_s_tokens_are_masked(tiny, monkeypatch):
     """Each sampled token's log-prob is the trainer's over the whole episode (a turn that joined the batch while
-    other rows decoded sees its context exactly: its keys and values placed right, in a batch compacted since); the
-    environment's tokens are masked and scored 0."""
+    other rows decoded sees its context exactly: its keys and values placed right, in a batch compacted since, in
+    the row its last turn decoded in with only the environment's tokens run through the model, or prefilled whole in
+    a free row); the environment's tokens are masked and scored 0."""
     _, tok, model, _, _ = tiny
     joined_while_decoding, join = [], turn_streaming.join
+    extended, prefilled = [], []
+    extend_rows, into_rows = Prefill.extend_rows, Prefill.into_rows
+    monkeypatch.setattr(Prefill, "extend_rows", lambda self, cache, rows, *a, **k: extended.extend(rows)
+                        or extend_rows(self, cache, rows, *a, **k))
+    monkeypatch.setattr(Prefill, "into_rows", lambda self, *a, **k: prefilled.append(len(a[4]))
+                        or into_rows(self, *a, **k))
 
     def counted(sampler, batch, rows, *args):
         decoding = len(rows.live())
@@ -112,6 +120,7 @@ def test_sampled_episodes_score_as_the_trainer_scores_them_and_the_environment_s
     monkeypatch.setattr(turn_streaming, "join", counted)
     out, options = sample(tiny, VaryingEnv(4, 150, background=True), continuous=True, greedy=False, compact_rows=True)
     assert int(out["episode", "turns"].max()) >= 3 and len(joined_while_decoding) >= 10
+    assert len(extended) >= 10 and sum(prefilled) >= 1, (len(extended), sum(prefilled))
     for td in out.unbind(0):
         full, prompt = td["tokens", "full"], td["tokens", "prompt"].numel()
         mask, log_probs = td["episode", "sampled_mask"], td["log_probs", "response"]

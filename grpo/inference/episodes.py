@@ -98,9 +98,9 @@ class EpisodeBatch:
         engine asks to stop decoding it early; ``end_turn`` cuts it where the call ends."""
         return self.call_end is not None and self.call_end(text) is not None
 
-    def end_turn(self, i: int, reply: torch.Tensor, log_probs: torch.Tensor) -> None:
+    def end_turn(self, i: int, reply: torch.Tensor, log_probs: torch.Tensor) -> bool:
         """Episode ``i``'s turn as the engine sampled it (it may run past the turn's end: cut here). The episode
-        ends, or waits for the environment's answer (``answers``)."""
+        ends, or waits for the environment's answer (``answers``): returns whether it waits."""
         policy, episode = self.policy, self.episodes[i]
         reply, log_probs, stopped = cut_at_stop(reply, log_probs, policy.stop_ids)
         if self.call_end is not None:
@@ -111,14 +111,15 @@ class EpisodeBatch:
         episode.add_turn(reply, log_probs, policy.message_text(reply, stopped), stopped)
         if not stopped:  # cut by the reply cap or the budget: a turn cannot go on once cut
             episode.truncated = True
-            return
+            return False
         as_seen = Episode(self.conversations[i], episode.messages, self.rows[i])
         if self.env is None or not self.env.answers(as_seen):
-            return  # the final answer
+            return False  # the final answer
         if episode.turns == self.max_turns:
             episode.truncated = True  # the environment would answer, but the turns are spent
-            return
+            return False
         self.waiting.append((i, as_seen))
+        return True
 
     def answers(self, after: int = 0) -> list[int]:
         """Hands the turns ended since the last call to the environment (one ``respond`` call), and returns the
@@ -145,9 +146,9 @@ class EpisodeBatch:
             going += self.add_answers(asked, answer)
         return going
 
-    def pending(self) -> int:
-        """Episodes waiting for the environment's answer."""
-        return len(self.waiting) + sum(len(asked) for _, asked, _ in self.asked)
+    def pending(self) -> set[int]:
+        """The episodes waiting for the environment's answer."""
+        return {i for i, _ in self.waiting} | {i for _, asked, _ in self.asked for i, _ in asked}
 
     def timed(self, call, *args):
         """``call(*args)``, its seconds counted as the engine's wait on the environment (``env_seconds``)."""

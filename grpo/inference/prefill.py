@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from transformers import StaticCache
 
 from grpo.inference.kv_cache import SlotLayer, copy_cache_rows, place_cache_rows, slot_cache
@@ -58,6 +59,17 @@ def prefill_forward(model, cache_name: str, cache: StaticCache, input_ids, posit
                  **{cache_name: cache}).logits[:, -1]
 
 
+def extend_forward(model, cache_name: str, cache: StaticCache, input_ids, positions, attention_mask, start: int):
+    """The keys and values of ``input_ids`` written to ``cache`` from slot ``start`` on, its queries attending to
+    the slots before it that ``attention_mask`` holds (the logits are not wanted)."""
+    for layer in cache.layers:  # the stock layers write at their running length, a one-token forward at the slot
+        layer.cumulative_length.fill_(start)
+    cache.slot.fill_(start)
+    model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask, use_cache=True, logits_to_keep=1,
+          cache_position=torch.arange(start, start + input_ids.shape[1], device=input_ids.device),
+          **{cache_name: cache})
+
+
 class Prefill:
     """``prefill(input_ids, positions, attention_mask, cache)``: each left-padded prompt's last-position logits, its
     keys and values written to ``cache``'s first slots. ``bucket``: widths rounded up to a multiple of it and prompts
@@ -84,6 +96,41 @@ class Prefill:
         if self.compiled:
             self._caches[prompts, width] = cache
         return cache
+
+    @torch.no_grad()
+    def extend_rows(self, cache: StaticCache, rows: list[int], firsts: list[int], held: list[int],
+                    added: list[torch.Tensor], end: int) -> None:
+        """Contexts whose first ``held[j]`` tokens row ``rows[j]`` of ``cache`` holds from slot ``firsts[j]`` on, and
+        ``added[j]`` after them: each written back to its row so that it ends just before slot ``end``, only the added
+        tokens run through the model (episodes' next turns joining a decode batch in the rows their last turns
+        decoded in, ``grpo.inference.turn_streaming``: a tool's output and the template around it, not the whole
+        context again). Run in a scratch cache: row ``j``'s held tokens end at slot ``width`` (their longest), its
+        added ones follow, right-padded, so that every row's added tokens start at one slot."""
+        device, count = cache.layers[0].keys.device, len(rows)
+        held_n, added_n = torch.tensor(held), torch.tensor([len(a) for a in added])
+        width, extra = int(held_n.max()), int(added_n.max())
+        # the scratch's slot k of row j: held slot firsts[j] + k - (width - held[j]); the pads before repeat the first
+        lead = width - held_n
+        read = torch.tensor(firsts)[:, None] + (torch.arange(width)[None] - lead[:, None]).clamp_min(0)
+        row_index, read = torch.tensor(rows, device=device)[:, None], read.to(device)
+        scratch = slot_cache(self.model.config, width + extra, device)
+        for layer, model_layer in zip(scratch.layers, cache.layers, strict=True):
+            layer.lazy_initialization(model_layer.keys[:count, :, :0], model_layer.values[:count, :, :0])
+            layer.keys[:, :, :width] = model_layer.keys[row_index, :, read].transpose(1, 2)
+            layer.values[:, :, :width] = model_layer.values[row_index, :, read].transpose(1, 2)
+        if extra:
+            columns = torch.arange(width + extra)[None]
+            mask = (columns >= lead[:, None]) & (columns < width + added_n[:, None])
+            extend_forward(self.model, self.cache_name, scratch, pad_sequence(added, batch_first=True).to(device),
+                           (held_n[:, None] + torch.arange(extra)[None]).to(device), mask.long().to(device), width)
+        # back to each row, ending at slot ``end``; a shorter context's pads repeat its last slot (the same value)
+        total = held_n + added_n
+        k = torch.minimum(torch.arange(int(total.max()))[None], (total - 1)[:, None])
+        source, target = (lead[:, None] + k).to(device), (end - total[:, None] + k).to(device)
+        scratch_rows = torch.arange(count, device=device)[:, None]
+        for layer, model_layer in zip(scratch.layers, cache.layers, strict=True):
+            model_layer.keys[row_index, :, target] = layer.keys[scratch_rows, :, source]
+            model_layer.values[row_index, :, target] = layer.values[scratch_rows, :, source]
 
     @torch.no_grad()
     def __call__(self, input_ids, positions, attention_mask, cache: StaticCache) -> torch.Tensor:

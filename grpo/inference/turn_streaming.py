@@ -4,8 +4,10 @@ Sampled by turns, a batch of episodes decodes every turn until its longest reply
 decodes the next turn of those that go on from a fresh prefill, in a decode batch of another shape (one more compiled
 graph). Here an episode's turn ends when it ends (a stop token, its room, or a code interpreter's call: its text is
 checked as it grows), the environment answers it in the background while the other rows decode, and its next turn
-joins the batch in a free row: its whole context prefilled into that row's KV cache so that its last token sits just
-before the batch's shared slot (the slots before it are masked, and the filled-slot attention starts after them).
+joins the batch so that its context's last token sits just before the batch's shared slot (the slots before the
+context are masked, and the filled-slot attention starts after them): in the row its last turn decoded in, kept for
+it, whose cache already holds the context up to that turn (moved along the row, only the environment's tokens run
+through the model); or, where a compaction gave that row up, in a free row, the whole context prefilled.
 
 Measured with ``benchmarks/bench_turns.py`` (one H200, the real Qwen2.5-Coder-0.5B as a code interpreter, 256
 episodes, the same batches each way): with up to 4 turns, 1,230 decode steps against 2,044 and 6.7 s a batch against
@@ -61,22 +63,34 @@ def sample_continuously(sampler: ReplySampler, batch: EpisodeBatch, options: dic
 
 class Rows:
     """The host's view of a decode batch: each row's episode (None: free), the step its turn started at, the most
-    tokens it may take, and (for a turn environment with calls) its turn's text so far."""
+    tokens it may take, (for a turn environment with calls) its turn's text so far, and the slot its context starts
+    at. ``held``: the episodes waiting for an answer whose rows are kept for them, each row and how many tokens of
+    the episode's context its cache holds: their next turns join there, only what was added since run through the
+    model (``Prefill.extend_rows``; the real 0.5B's code-interpreter joins prefilled whole contexts again: ~1 s of a
+    9.3 s step, py-spy, one H200)."""
 
     def __init__(self, size: int):
         self.episode: list[int | None] = [None] * size
-        self.started, self.room, self.text = [0] * size, [0] * size, [""] * size
+        self.started, self.room, self.text, self.first = [0] * size, [0] * size, [""] * size, [0] * size
+        self.held: dict[int, tuple[int, int]] = {}
 
     def live(self) -> list[int]:
         return [r for r, i in enumerate(self.episode) if i is not None]
 
+    def free(self) -> list[int]:
+        kept = {r for r, _ in self.held.values()}
+        return [r for r, i in enumerate(self.episode) if i is None and r not in kept]
+
     def take(self, order: list[int], size: int) -> None:
-        """The batch compacted: its row ``j`` is the old row ``order[j]``, the rest free."""
+        """The batch compacted: its row ``j`` is the old row ``order[j]``, the rest free (held rows too: their
+        episodes' next turns are prefilled whole)."""
         free = size - len(order)
         self.episode = [self.episode[r] for r in order] + [None] * free
         self.started = [self.started[r] for r in order] + [0] * free
         self.room = [self.room[r] for r in order] + [0] * free
         self.text = [self.text[r] for r in order] + [""] * free
+        self.first = [self.first[r] for r in order] + [0] * free
+        self.held.clear()
 
 
 def decode_batch(sampler: ReplySampler, batch: EpisodeBatch, going: list[int], options: dict) -> list[int]:
@@ -99,23 +113,25 @@ def decode_batch(sampler: ReplySampler, batch: EpisodeBatch, going: list[int], o
     buf.done[len(going):] = True
     rows = Rows(size)
     for r, i in enumerate(going):
-        rows.episode[r], rows.room[r] = i, batch.room(i)
+        rows.episode[r], rows.room[r], rows.first[r] = i, batch.room(i), prompt_len - contexts[r].numel()
     sampler.batch_sizes = [size]
     ready, later, generated, checked = [], [], 1, 0
     while True:
         if generated % STOP_CHECK_EVERY == 0 or generated == steps:
-            end_turns(sampler, batch, rows, buf, generated, checked, pad)
+            slot = prompt_len + generated - 1  # where the next step writes: the first token came from the prefill
+            end_turns(sampler, batch, rows, buf, generated, checked, slot, pad)
             checked = generated
             live = len(rows.live())
             ready += batch.answers(after=ANSWER_WAIT_CHECKS if live else 0)
-            slot = prompt_len + generated - 1  # where the next step writes: the first token came from the prefill
+            waiting = batch.pending() | set(ready)
+            rows.held = {i: held for i, held in rows.held.items() if i in waiting}  # answered with no room: freed
             joined = []
             if not live or (generated // STOP_CHECK_EVERY) % JOIN_EVERY_CHECKS == 0:
                 joined, ready, late = join(sampler, batch, rows, buf, cache, ready, slot, generated, steps, pad)
                 later += late
             if not live and not joined:
                 return later + ready
-            needed = len(rows.live()) + len(ready) + batch.pending()
+            needed = len(rows.live()) + len(ready) + len(batch.pending())
             smaller = compacted_size(len(rows.episode), needed) if sampler.compact_rows else None
             if smaller is not None:
                 order = rows.live()
@@ -125,10 +141,11 @@ def decode_batch(sampler: ReplySampler, batch: EpisodeBatch, going: list[int], o
         generated += 1
 
 
-def end_turns(sampler: ReplySampler, batch: EpisodeBatch, rows: Rows, buf, generated: int, checked: int,
+def end_turns(sampler: ReplySampler, batch: EpisodeBatch, rows: Rows, buf, generated: int, checked: int, slot: int,
               pad: int) -> None:
-    """The turns that ended since the last check (at ``checked``) handed to ``batch``, their rows freed: a stop token,
-    the turn's room spent, or a call whole in its text."""
+    """The turns that ended since the last check (at ``checked``) handed to ``batch``, their rows freed or, where
+    the episode waits for an answer, held for it: a stop token, the turn's room spent, or a call whole in its text.
+    Every slot before ``slot`` has been written."""
     done = buf.done.tolist()
     live = rows.live()
     ended = [r for r in live if done[r] or generated - rows.started[r] >= rows.room[r]]
@@ -151,7 +168,9 @@ def end_turns(sampler: ReplySampler, batch: EpisodeBatch, rows: Rows, buf, gener
     for k, r in enumerate(ended):
         reply, lp = tokens[k, rows.started[r]:], log_probs[k, rows.started[r]:]
         keep = reply != pad  # a sampled pad ends a reply, as a finished row's padding does
-        batch.end_turn(rows.episode[r], reply[keep], lp[keep])
+        i = rows.episode[r]
+        if batch.end_turn(i, reply[keep], lp[keep]):  # its context as far as the row's cache holds it
+            rows.held[i] = (r, min(batch.context(i).numel(), slot - rows.first[r]))
         rows.episode[r], rows.text[r] = None, ""
 
 
@@ -162,37 +181,50 @@ def decode(batch: EpisodeBatch, window: torch.Tensor) -> list[str]:
 
 def join(sampler: ReplySampler, batch: EpisodeBatch, rows: Rows, buf, cache, ready: list[int], slot: int,
          generated: int, steps: int, pad: int) -> tuple[list[int], list[int], list[int]]:
-    """Episodes ``ready`` to sample their next turn put in free rows, as many as there are: each context's keys and
-    values written to its row, its last token fed by the next step at ``slot``. Returns those that joined, those
-    that wait for a free row or for the batch's slot to pass their context's length, and those whose turn no longer
-    fits in the batch's ``steps``."""
-    free = [r for r, i in enumerate(rows.episode) if i is None]
-    joined, contexts, waiting, late = [], [], [], []
+    """Episodes ``ready`` to sample their next turn put in the rows held for them (only the tokens added since their
+    last turn run through the model) or in free rows (their whole contexts), as many as there are: each context's
+    keys and values written to its row, its last token fed by the next step at ``slot``. Returns those that joined,
+    those that wait for a free row or for the batch's slot to pass their context's length, and those whose turn no
+    longer fits in the batch's ``steps`` (their held rows freed)."""
+    free = rows.free()
+    fresh, extended, waiting, late = [], [], [], []  # (row, episode, context); extended: and the tokens held
     for i in ready:
-        context = batch.context(i)
+        context, held = batch.context(i), rows.held.pop(i, None)
         if generated + batch.room(i) > steps:
             late.append(i)
-        elif not free or context.numel() - 1 > slot:
+        elif context.numel() - 1 > slot:
             waiting.append(i)
+            if held is not None:
+                rows.held[i] = held
+        elif held is not None:
+            extended.append((held[0], i, context, held[1]))
+        elif free:
+            fresh.append((free.pop(0), i, context))
         else:
-            joined.append((free.pop(0), i))
-            contexts.append(context)
-    if not joined:
+            waiting.append(i)
+    if not fresh and not extended:
         return [], waiting, late
     device = buf.done.device
-    input_ids, attention_mask = pad_prompts([c[:-1] for c in contexts], pad)
-    positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    index = torch.tensor([r for r, _ in joined], device=device)
-    sampler.prefill.into_rows(input_ids.to(device), positions.to(device), attention_mask.to(device), cache, index,
-                              end=slot)
-    lengths = torch.tensor([c.numel() - 1 for c in contexts], device=device)
+    if fresh:
+        input_ids, attention_mask = pad_prompts([c[:-1] for _, _, c in fresh], pad)
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        sampler.prefill.into_rows(input_ids.to(device), positions.to(device), attention_mask.to(device), cache,
+                                  torch.tensor([r for r, _, _ in fresh], device=device), end=slot)
+    if extended:
+        sampler.prefill.extend_rows(cache, [r for r, *_ in extended], [rows.first[r] for r, *_ in extended],
+                                    [held for *_, held in extended], [c[held:-1] for _, _, c, held in extended],
+                                    end=slot)
+    joined = fresh + [(r, i, c) for r, i, c, _ in extended]
+    index = torch.tensor([r for r, _, _ in joined], device=device)
+    lengths = torch.tensor([c.numel() - 1 for _, _, c in joined], device=device)
     first = slot - lengths
     columns = torch.arange(buf.mask.shape[1], device=device)
     buf.mask[index] = ((columns >= first[:, None]) & (columns < slot)).to(buf.mask.dtype)
     buf.first_slot[index] = first
     buf.position[index, 0] = lengths
-    buf.last_token[index] = torch.tensor([int(c[-1]) for c in contexts], device=device)
+    buf.last_token[index] = torch.tensor([int(c[-1]) for _, _, c in joined], device=device)
     buf.done[index] = False
-    for r, i in joined:
+    for r, i, c in joined:
         rows.episode[r], rows.started[r], rows.room[r], rows.text[r] = i, generated, batch.room(i), ""
-    return [i for _, i in joined], waiting, late
+        rows.first[r] = slot - (c.numel() - 1)
+    return [i for _, i, _ in joined], waiting, late
