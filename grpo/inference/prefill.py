@@ -65,9 +65,10 @@ def extend_forward(model, cache_name: str, cache: StaticCache, input_ids, positi
     for layer in cache.layers:  # the stock layers write at their running length, a one-token forward at the slot
         layer.cumulative_length.fill_(start)
     cache.slot.fill_(start)
-    model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask, use_cache=True, logits_to_keep=1,
-          cache_position=torch.arange(start, start + input_ids.shape[1], device=input_ids.device),
-          **{cache_name: cache})
+    width = input_ids.shape[1]
+    model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask, use_cache=True,
+          cache_position=torch.arange(start, start + width, device=input_ids.device),
+          logits_to_keep=torch.tensor([width - 1], device=input_ids.device), **{cache_name: cache})  # as prefill_forward
 
 
 class Prefill:
