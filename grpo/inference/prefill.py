@@ -89,13 +89,18 @@ class Prefill:
         Kept per shape when compiled."""
         if (prompts, width) in self._caches:
             return self._caches[prompts, width]
+        cache = self.scratch_cache(prompts, width, like)
+        if self.compiled:
+            self._caches[prompts, width] = cache
+        return cache
+
+    def scratch_cache(self, prompts: int, width: int, like: StaticCache) -> StaticCache:
+        """A cache of ``prompts`` rows x ``width`` slots, its tensors allocated as ``like``'s are, never kept."""
         cache = slot_cache(self.model.config, width, self.model.device)
         for layer, model_layer in zip(cache.layers, like.layers, strict=True):
             keys, values = model_layer.keys, model_layer.values
             layer.lazy_initialization(keys.new_empty(prompts, keys.shape[1], 0, keys.shape[3]),
                                       values.new_empty(prompts, values.shape[1], 0, values.shape[3]))
-        if self.compiled:
-            self._caches[prompts, width] = cache
         return cache
 
     @torch.no_grad()
@@ -114,9 +119,8 @@ class Prefill:
         lead = width - held_n
         read = torch.tensor(firsts)[:, None] + (torch.arange(width)[None] - lead[:, None]).clamp_min(0)
         row_index, read = torch.tensor(rows, device=device)[:, None], read.to(device)
-        scratch = slot_cache(self.model.config, width + extra, device)
+        scratch = self.scratch_cache(count, width + extra, cache)  # one shape a join: not kept
         for layer, model_layer in zip(scratch.layers, cache.layers, strict=True):
-            layer.lazy_initialization(model_layer.keys[:count, :, :0], model_layer.values[:count, :, :0])
             layer.keys[:, :, :width] = model_layer.keys[row_index, :, read].transpose(1, 2)
             layer.values[:, :, :width] = model_layer.values[row_index, :, read].transpose(1, 2)
         if extra:

@@ -123,15 +123,16 @@ def decode_batch(sampler: ReplySampler, batch: EpisodeBatch, going: list[int], o
             checked = generated
             live = len(rows.live())
             ready += batch.answers(after=ANSWER_WAIT_CHECKS if live else 0)
-            waiting = batch.pending() | set(ready)
-            rows.held = {i: held for i, held in rows.held.items() if i in waiting}  # answered with no room: freed
+            pending = batch.pending()
+            going_on = pending | set(ready)  # a held episode answered with no room left ends: its row is freed
+            rows.held = {i: held for i, held in rows.held.items() if i in going_on}
             joined = []
             if not live or (generated // STOP_CHECK_EVERY) % JOIN_EVERY_CHECKS == 0:
                 joined, ready, late = join(sampler, batch, rows, buf, cache, ready, slot, generated, steps, pad)
                 later += late
             if not live and not joined:
                 return later + ready
-            needed = len(rows.live()) + len(ready) + len(batch.pending())
+            needed = len(rows.live()) + len(ready) + len(pending)  # a join takes no answers: still pending
             smaller = compacted_size(len(rows.episode), needed) if sampler.compact_rows else None
             if smaller is not None:
                 order = rows.live()
@@ -189,15 +190,15 @@ def join(sampler: ReplySampler, batch: EpisodeBatch, rows: Rows, buf, cache, rea
     free = rows.free()
     fresh, extended, waiting, late = [], [], [], []  # (row, episode, context); extended: and the tokens held
     for i in ready:
-        context, held = batch.context(i), rows.held.pop(i, None)
+        context, held = batch.context(i), rows.held.get(i)
         if generated + batch.room(i) > steps:
             late.append(i)
+            rows.held.pop(i, None)
         elif context.numel() - 1 > slot:
             waiting.append(i)
-            if held is not None:
-                rows.held[i] = held
         elif held is not None:
             extended.append((held[0], i, context, held[1]))
+            del rows.held[i]
         elif free:
             fresh.append((free.pop(0), i, context))
         else:
