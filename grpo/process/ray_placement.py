@@ -21,6 +21,7 @@ actor, on a GPU of its own node that an actor holds for it (``driver_gpu``), so 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import sys
@@ -81,9 +82,10 @@ def ray_session(settings: RaySettings, devices: DeviceAllocation, trainer_actors
     if settings.address is None:
         os.environ.setdefault(PRESTART, "0")  # read by the raylet too
     # "local", not None: None joins whichever cluster this machine ran last (/tmp/ray/ray_current_cluster), even a
-    # dead one, where the config asked for a Ray of the run's own
+    # dead one, where the config asked for a Ray of the run's own. WARNING: Ray's INFO lines (its instance started,
+    # a token written) are nothing a user acts on
     ray.init(address=settings.address or "local", num_cpus=settings.num_cpus, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
+             logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
     try:
         if settings.address is None:
             check_room(ray.cluster_resources(), trainer_actors, settings.num_collectors, not devices.cpu)
