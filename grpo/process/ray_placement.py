@@ -46,6 +46,7 @@ MEMORY_MONITOR = "RAY_memory_monitor_refresh_ms"  # 0: a local Ray kills no acto
 # 0: a local Ray starts no idle Python workers for the first driver: the run's actors each get a process of their own,
 # so those only imported Ray and waited (2 of them, ~0.6 CPU-s each, beside a 2-CPU Ray)
 PRESTART = "RAY_prestart_worker_first_driver"
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 TRAINER_GPU = "grpo_trainer_gpu"  # a local Ray's resource for each train GPU of ranks 1..N-1 (its GPUs: inference's)
 LEASE_WAIT_S = 120  # how long rank 0 waits for a GPU of its node to come free in a cluster's Ray
 _driver_lease = None  # in a cluster: (the actor holding rank 0's GPU, its id here), for the Ray session's life
@@ -83,7 +84,9 @@ def ray_session(settings: RaySettings, devices: DeviceAllocation, trainer_actors
         os.environ.setdefault(PRESTART, "0")  # read by the raylet too
     # "local", not None: None joins whichever cluster this machine ran last (/tmp/ray/ray_current_cluster), even a
     # dead one, where the config asked for a Ray of the run's own. WARNING: Ray's INFO lines (its instance started,
-    # a token written) are nothing a user acts on
+    # a token written) are nothing a user acts on; nor is Ray 2.60's warning, at every start, that its default
+    # (token authentication on) is on (RAY_AUTH_MODE=token said beforehand made its server time out at start)
+    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
     ray.init(address=settings.address or "local", num_cpus=settings.num_cpus, include_dashboard=False,
              logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
     try:
