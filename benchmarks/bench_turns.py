@@ -10,7 +10,8 @@ batches of real prompts each way, in alternating order, after one warm-up batch 
 Per batch and way it prints the wall seconds, the engine's (``generate_s``), the wait on the tool (``env_seconds``),
 turns and tool calls an episode, sampled tokens and their rate, decode steps, and where the continuous way spends
 its checks: the host's seconds ending turns (``end_turns``) and joining turns to the batch (``join``: the prefill of
-their contexts), each timed with the GPU drained first. ``--join-every`` lists values of
+their contexts; and its parts: ``extend_rows`` and its ``extend_forward``, ``into_rows`` and its
+``place_cache_rows``), each timed with the GPU drained first. ``--join-every`` lists values of
 ``turn_streaming.JOIN_EVERY_CHECKS`` to compare, each one more way; ``--whole-joins`` adds each of them with every
 joining turn's whole context prefilled in a free row (as before the rows were kept for their episodes' next turns).
 """
@@ -29,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tools.compose import compose_config  # noqa: E402
-from grpo.inference import turn_streaming  # noqa: E402
+from grpo.inference import prefill, turn_streaming  # noqa: E402
 from grpo.inference.decoding import ReplySampler  # noqa: E402
 from grpo.inference.engine import TransformersInference  # noqa: E402
 from grpo.inference.episodes import EpisodeBatch  # noqa: E402
@@ -122,6 +123,12 @@ def main(argv=None) -> None:
     timers.wrap(turn_streaming, "join")
     timers.wrap(turn_streaming, "end_turns")
     timers.wrap(turn_streaming, "decode_batch")
+    # a join's parts: kept rows (extend_rows: the KV moves around extend_forward, the added tokens' forward) or free
+    # rows (into_rows: the whole contexts' prefill, then place_cache_rows writes them into the batch's cache)
+    for name in ("extend_rows", "into_rows"):
+        timers.wrap(prefill.Prefill, name)
+    for name in ("extend_forward", "place_cache_rows"):
+        timers.wrap(prefill, name)
     timers.count_steps()
     ways = ["by_turns"] + [f"continuous_join{j}{whole}" for j in args.join_every.split(",")
                            for whole in ("", "_whole")[:1 + args.whole_joins]]
