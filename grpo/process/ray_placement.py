@@ -82,13 +82,15 @@ def ray_session(settings: RaySettings, devices: DeviceAllocation, trainer_actors
         os.environ[MEMORY_MONITOR] = "0"  # read by the raylet ray.init starts: its memory monitor never runs
     if settings.address is None:
         os.environ.setdefault(PRESTART, "0")  # read by the raylet too
+        # a Ray of the run's own says nothing a user acts on: its INFO lines (started, a token written), nor Ray
+        # 2.60's warning at every start that its default, token authentication, is on (RAY_AUTH_MODE=token said
+        # beforehand made its server time out at start). A joined cluster's INFO lines stay: they say where it is
+        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
     # "local", not None: None joins whichever cluster this machine ran last (/tmp/ray/ray_current_cluster), even a
-    # dead one, where the config asked for a Ray of the run's own. WARNING: Ray's INFO lines (its instance started,
-    # a token written) are nothing a user acts on; nor is Ray 2.60's warning, at every start, that its default
-    # (token authentication on) is on (RAY_AUTH_MODE=token said beforehand made its server time out at start)
-    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+    # dead one, where the config asked for a Ray of the run's own
     ray.init(address=settings.address or "local", num_cpus=settings.num_cpus, include_dashboard=False,
-             logging_level=logging.WARNING, runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
+             logging_level=logging.INFO if settings.address else logging.WARNING,
+             runtime_env={"env_vars": {"PYTHONPATH": ray_pythonpath()}}, **local)
     try:
         if settings.address is None:
             check_room(ray.cluster_resources(), trainer_actors, settings.num_collectors, not devices.cpu)
