@@ -15,7 +15,8 @@
 #     bash scripts/device_kit.sh wait NAME 540             # until it ends or 540 s pass; its log and metrics to $OUT
 #
 # The 0.5B is 11 pieces, the 1.5B 24: setup to a running job in ~3 and ~5 device minutes. SCRIPT=grpo/grpo-async.py
-# starts the async script; PYSPY=1 records the run with py-spy (its wheel in .whl) to $OUT/NAME/prof.gz at `wait`.
+# starts the async script; PYSPY=1 records the run with py-spy (add its wheel to .whl: pip download py-spy) to
+# $OUT/NAME/prof.gz at `wait`.
 set -uo pipefail
 KEEP=${KEEP:-/root/keep}
 PIECE_BYTES=48000000  # a piece, the checkout (~10 MB) and this script within a call's 64 MiB
@@ -48,8 +49,9 @@ receive)  # there: the pieces this call carried (and any earlier ones still in t
 convert)  # there: the pieces joined, checked and converted into $KEEP/assets; the real GSM8K rows beside them
   model=$1
   keep_pieces
-  ls "$KEEP"/gguf.* >/dev/null 2>&1 || { echo "no pieces in $KEEP: receive them first"; exit 1; }
-  cat "$KEEP"/gguf.* > "$KEEP/$model.gguf" && rm -f "$KEEP"/gguf.*
+  # joined once: a conversion that failed is tried again from the joined file, not from pieces carried again
+  if ls "$KEEP"/gguf.* >/dev/null 2>&1; then cat "$KEEP"/gguf.* > "$KEEP/$model.gguf" && rm -f "$KEEP"/gguf.*; fi
+  [ -f "$KEEP/$model.gguf" ] || { echo "no pieces in $KEEP: receive them first"; exit 1; }
   python3 scripts/fetch_real_assets.py --models "$model" --gguf "$KEEP/$model.gguf" --tokenizer-from ".device/$model/tok" \
     --model-only --assets "$KEEP/assets" || exit 1
   rm -f "$KEEP/$model.gguf"
@@ -76,5 +78,5 @@ wait)  # there: until the run ends or SECONDS pass; what it wrote so far comes b
   cp "$KEEP/runs/$name.log" "$OUT/$name/"; cp "$KEEP/runs/$name/metrics.jsonl" "$OUT/$name/" 2>/dev/null
   [ -f "$KEEP/runs/$name.prof" ] && gzip -c "$KEEP/runs/$name.prof" > "$OUT/$name/prof.gz"; true ;;
 *)
-  sed -n '2,20p' "$0"; exit 2 ;;
+  sed -n '2,19p' "$0"; exit 2 ;;
 esac
